@@ -1,0 +1,94 @@
+"""`dlite-trt generate`: speculative decoding with the PyTorch reference generator."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from dlite_trt.errors import DLiteError
+
+
+def _parse_ids(value: str) -> list[int]:
+    try:
+        ids = [int(tok) for tok in value.replace(" ", "").split(",") if tok]
+    except ValueError as exc:
+        raise click.BadParameter(f"expected comma-separated integers like 1,2,3, got {value!r}") from exc
+    if not ids:
+        raise click.BadParameter("no token ids given")
+    return ids
+
+
+@click.command("generate")
+@click.option("--target", required=True, help="Qwen3 model directory or preset name (qwen3-8b, ...).")
+@click.option("--draft", required=True, type=click.Path(path_type=Path), help="dlite_v1 draft checkpoint directory.")
+@click.option("--prompt", help="Prompt text (tokenized with the target's tokenizer).")
+@click.option("--input-ids", "input_ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=0))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="0 = greedy (lossless); > 0 = speculative rejection sampling.")
+@click.option("--seed", type=int, help="Seed for sampling (same seed, same output).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the target's end-of-sequence tokens.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
+@click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--trace", is_flag=True, help="Include each step's draft tokens and accepted count.")
+def command(target: str, draft: Path, prompt: str | None, input_ids: str | None, max_new_tokens: int,
+            temperature: float, seed: int | None, chat: bool, ignore_eos: bool, dtype: str,
+            random_weights: bool, as_json: bool, trace: bool) -> None:
+    """Generate with a Qwen3 target and a DLite draft (speculative decoding)."""
+    if (prompt is None) == (input_ids is None):
+        raise click.UsageError("pass exactly one of --prompt TEXT or --input-ids 1,2,3")
+    ids = _parse_ids(input_ids) if input_ids is not None else None
+
+    from dlite_trt.loading import load_pair
+    from dlite_trt.runtime.reference import SamplingParams
+
+    pair = load_pair(target, draft, dtype=dtype, random_weights=random_weights)
+    tok = pair.tokenizer
+    if ids is None:
+        if tok is None:
+            raise DLiteError(f"the target {pair.source.name} has no tokenizer; pass --input-ids instead of --prompt.")
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise DLiteError("the target's tokenizer has no chat template; drop --chat.")
+            ids = list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False))
+        else:
+            ids = tok.encode(prompt, add_special_tokens=False)
+    elif chat:
+        raise click.UsageError("--chat needs --prompt (a text to wrap in the chat template)")
+    stops = () if ignore_eos else pair.source.spec.stop_token_ids
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stops)
+    start = time.perf_counter()
+    result = pair.generator.generate([ids], params)
+    seconds = time.perf_counter() - start
+    out = result.output_ids[0]
+    text = tok.decode(out, skip_special_tokens=False) if tok is not None else None
+    tps = len(out) / seconds if seconds > 0 else 0.0
+    if as_json:
+        payload = {
+            "output_ids": out,
+            "acceptance_lengths": result.acceptance_lengths(0),
+            "mean_acceptance_length": result.mean_acceptance_length(0),
+            "stop_reason": result.stop_reasons[0],
+            "tokens_per_second": tps,
+            "timings": result.timings,
+        }
+        if text is not None:
+            payload["text"] = text
+        if trace:
+            payload["steps"] = [{"draft_tokens": list(s.draft_tokens[0]), "accepted": s.accepted[0]}
+                                for s in result.steps if s.accepted[0] is not None]
+        click.echo(json.dumps(payload))
+        return
+    click.echo(text if text is not None else ",".join(map(str, out)))
+    if trace:
+        for i, s in enumerate(result.steps):
+            if s.accepted[0] is not None:
+                click.echo(f"step {i}: draft {list(s.draft_tokens[0])} accepted {s.accepted[0]}", err=True)
+    click.echo(f"\n{len(out)} tokens, mean acceptance length {result.mean_acceptance_length(0):.2f}, "
+               f"{tps:.1f} tokens/s", err=True)

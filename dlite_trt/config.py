@@ -1,0 +1,372 @@
+"""Typed, validated configs: the DLite draft (official dlite_v1 schema) and the Qwen3 target.
+
+Both are frozen dataclasses validated on construction. ``DraftConfig`` reads and writes the
+official ``config.json`` of a dlite_v1 checkpoint as is (DESIGN 1.1); keys it does not model
+are kept in ``extra`` so that a load/save round trip preserves the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from dlite_trt.errors import ConfigError
+
+ARCHITECTURE_VERSION = "dlite_v1"
+MODEL_ROLE = "pivot_q_student"
+SEQUENTIAL_HEADS = ("rnn",)
+DRAFT_ARCHITECTURE = "DLiteDraftModel"
+
+
+def select_target_layer_ids(num_target_layers: int, chs_num_layers: int) -> tuple[int, ...]:
+    """The fixed dlite_v1 selection: {0, N-1} plus S-2 evenly spaced ids (DESIGN 1.1)."""
+    n, s = int(num_target_layers), int(chs_num_layers)
+    if n < 2:
+        raise ConfigError(f"DLite needs a target with at least 2 layers, got num_target_layers={n}.")
+    if not 2 <= s <= n:
+        raise ConfigError(f"chs_num_layers must be in [2, {n}] for a {n}-layer target, got {s}.")
+    ids = {0, n - 1}
+    middle = s - 2
+    for i in range(middle):
+        f = 0.5 if middle == 1 else i / (middle - 1)
+        ids.add(1 + round(f * (n - 3)))
+    if len(ids) != s:
+        raise ConfigError(f"cannot select {s} distinct layers from a {n}-layer target (got {sorted(ids)}).")
+    return tuple(sorted(ids))
+
+
+def _rope_theta(raw: Mapping[str, Any], where: str) -> float:
+    """rope_theta from a transformers 4.x (top level) or 5.x (rope_parameters) config."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    for block in (params, scaling):
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind != "default":
+            raise ConfigError(
+                f"{where}: rope_type {kind!r} is not supported (only default RoPE); "
+                "remove rope scaling from config.json or use a model without it."
+            )
+    theta = raw.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise ConfigError(f"{where}: no rope_theta (neither top-level nor in rope_parameters).")
+    return float(theta)
+
+
+def _require(raw: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
+    missing = [k for k in keys if k not in raw]
+    if missing:
+        raise ConfigError(f"{where} is missing required keys {missing}; is this the right file?")
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Shape of a Qwen3 target (what a Hugging Face Qwen3 config.json describes)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _positive(self, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}."
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+
+    @classmethod
+    def from_hf_config(cls, raw: Mapping[str, Any], where: str = "target config.json") -> TargetSpec:
+        if raw.get("model_type") != "qwen3":
+            raise ConfigError(
+                f"{where}: model_type is {raw.get('model_type')!r}; dlite-trt compiles Qwen3 "
+                "targets (model_type 'qwen3'). Pass a Qwen3 model directory."
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{where}: hidden_act {raw.get('hidden_act')!r} is not supported (silu only).")
+        if raw.get("use_sliding_window"):
+            raise ConfigError(f"{where}: sliding-window attention is not supported; set use_sliding_window false.")
+        _require(raw, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                       "intermediate_size"), where)
+        heads = int(raw["num_attention_heads"])
+        eos = raw.get("eos_token_id")
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            intermediate_size=int(raw["intermediate_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw, where),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A Qwen3 config.json dict for this shape (what transformers' Qwen3Config accepts)."""
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+        }
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+
+
+# Keys of the draft's config.json that DraftConfig models (everything else goes to `extra`).
+_DRAFT_KEYS = (
+    "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "rms_norm_eps", "attention_bias", "block_size",
+    "num_target_layers",
+)
+_DLITE_KEYS = (
+    "architecture_version", "model_role", "anchor_group_size", "chs_num_layers", "target_layer_ids",
+    "sequential_head", "sequential_rank", "mask_token_id",
+)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """A dlite_v1 draft: a Qwen3-style config plus ``dlite_config`` (DESIGN 1.1)."""
+
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 8
+    anchor_group_size: int = 1
+    sequential_rank: int = 256
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    sequential_head: str = "rnn"
+    architecture_version: str = ARCHITECTURE_VERSION
+    model_role: str = MODEL_ROLE
+    # config.json keys not modelled above (transformers_version, torch_dtype, ...), kept verbatim.
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
+        if self.architecture_version != ARCHITECTURE_VERSION:
+            raise ConfigError(
+                f"draft architecture_version is {self.architecture_version!r}, expected "
+                f"{ARCHITECTURE_VERSION!r}: dlite-trt loads official dlite_v1 checkpoints only; "
+                "re-export the draft with the current DLite release."
+            )
+        if self.model_role != MODEL_ROLE:
+            raise ConfigError(
+                f"draft model_role is {self.model_role!r}, expected {MODEL_ROLE!r}: this looks like a "
+                "teacher or another model's checkpoint; pass the history-free student draft."
+            )
+        if self.sequential_head not in SEQUENTIAL_HEADS:
+            raise ConfigError(
+                f"sequential_head {self.sequential_head!r} is not supported; expected one of {SEQUENTIAL_HEADS}."
+            )
+        _positive(self, "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "intermediate_size", "num_target_layers",
+                  "anchor_group_size", "sequential_rank")
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ConfigError(f"block_size must be an int >= 2 (1 anchor + K >= 1 proposals), got {self.block_size!r}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"draft num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}."
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"draft head_dim must be even for RoPE, got {self.head_dim}.")
+        if not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
+            raise ConfigError(f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}.")
+        expected = select_target_layer_ids(self.num_target_layers, len(self.target_layer_ids))
+        if self.target_layer_ids != expected:
+            raise ConfigError(
+                f"target_layer_ids {list(self.target_layer_ids)} differ from the fixed dlite_v1 selection "
+                f"{list(expected)} for a {self.num_target_layers}-layer target with "
+                f"chs_num_layers={len(self.target_layer_ids)}; the checkpoint was not trained for this "
+                "layout (fix dlite_config.target_layer_ids or retrain)."
+            )
+
+    @property
+    def num_proposals(self) -> int:
+        """K: draft tokens proposed after the anchor."""
+        return self.block_size - 1
+
+    @property
+    def chs_num_layers(self) -> int:
+        """S: number of target layers the draft reads at the pivot."""
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], where: str = "draft config.json") -> DraftConfig:
+        dlite = raw.get("dlite_config")
+        if not isinstance(dlite, Mapping):
+            raise ConfigError(
+                f"{where} has no dlite_config block: this is not a DLite draft checkpoint "
+                "(an official dlite_v1 config.json carries dlite_config with architecture_version)."
+            )
+        if dlite.get("architecture_version") != ARCHITECTURE_VERSION:
+            raise ConfigError(
+                f"{where}: dlite_config.architecture_version is {dlite.get('architecture_version')!r}, "
+                f"expected {ARCHITECTURE_VERSION!r}: dlite-trt loads official dlite_v1 checkpoints only; "
+                "re-export the draft with the current DLite release."
+            )
+        _require(raw, _DRAFT_KEYS, where)
+        _require(dlite, _DLITE_KEYS, f"{where} dlite_config")
+        if int(dlite["chs_num_layers"]) != len(dlite["target_layer_ids"]):
+            raise ConfigError(
+                f"{where}: chs_num_layers={dlite['chs_num_layers']} but target_layer_ids has "
+                f"{len(dlite['target_layer_ids'])} entries; they must agree."
+            )
+        known = set(_DRAFT_KEYS) | {"dlite_config", "rope_theta", "architectures", "model_type"}
+        extra = {k: v for k, v in raw.items() if k not in known}
+        extra_dlite = {k: v for k, v in dlite.items() if k not in _DLITE_KEYS}
+        if extra_dlite:
+            extra["dlite_config"] = extra_dlite
+        heads = int(raw["num_attention_heads"])
+        return cls(
+            hidden_size=int(raw["hidden_size"]),
+            vocab_size=int(raw["vocab_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw["num_key_value_heads"]),
+            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_target_layers=int(raw["num_target_layers"]),
+            target_layer_ids=tuple(dlite["target_layer_ids"]),
+            mask_token_id=dlite["mask_token_id"],
+            block_size=raw["block_size"],
+            anchor_group_size=dlite["anchor_group_size"],
+            sequential_rank=dlite["sequential_rank"],
+            rms_norm_eps=float(raw["rms_norm_eps"]),
+            rope_theta=_rope_theta(raw, where),
+            attention_bias=bool(raw["attention_bias"]),
+            sequential_head=str(dlite["sequential_head"]).lower(),
+            architecture_version=dlite["architecture_version"],
+            model_role=str(dlite["model_role"]).lower(),
+            extra=extra,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The official config.json layout (rope_theta at top level, as the release writes it;
+        a rope_parameters block read from a newer file is kept beside it)."""
+        extra = dict(self.extra)
+        extra_dlite = dict(extra.pop("dlite_config", {}))
+        out: dict[str, Any] = {
+            "architectures": [DRAFT_ARCHITECTURE],
+            "model_type": "qwen3",
+            **extra,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "attention_bias": self.attention_bias,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dlite_config": {
+                **extra_dlite,
+                "architecture_version": self.architecture_version,
+                "model_role": self.model_role,
+                "anchor_group_size": self.anchor_group_size,
+                "chs_num_layers": self.chs_num_layers,
+                "target_layer_ids": list(self.target_layer_ids),
+                "sequential_head": self.sequential_head,
+                "sequential_rank": self.sequential_rank,
+                "mask_token_id": self.mask_token_id,
+            },
+        }
+        return out
+
+    @classmethod
+    def from_json_file(cls, path: Path) -> DraftConfig:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON ({exc}); the checkpoint's config.json is corrupt.") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}.")
+        return cls.from_dict(raw, where=str(path))
+
+    def replace(self, **changes: Any) -> DraftConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def for_target(cls, target: TargetSpec, *, num_hidden_layers: int = 5, chs_num_layers: int = 5,
+                   mask_token_id: int, **overrides: Any) -> DraftConfig:
+        """A draft shaped for ``target`` (the layout the DLite release uses for Qwen3)."""
+        fields: dict[str, Any] = dict(
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size,
+            num_target_layers=target.num_hidden_layers,
+            target_layer_ids=select_target_layer_ids(target.num_hidden_layers, chs_num_layers),
+            mask_token_id=mask_token_id,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+        )
+        fields.update(overrides)
+        return cls(**fields)

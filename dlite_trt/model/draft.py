@@ -1,0 +1,122 @@
+"""The DLite draft: history-free parallel backbone + low-rank sequential head (DESIGN 1.2).
+
+Parameter names equal the official dlite_v1 checkpoint's (no prefix), so ``state_dict()``
+is the checkpoint. The draft has no embedding or LM head: query embeddings come from the
+target's ``embed_tokens``, passed in as ``embed_weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dlite_trt.config import DraftConfig
+from dlite_trt.model.ops import MLP, RMSNorm, apply_rope, attention, rope_cos_sin
+from dlite_trt.model.sequential_head import HeadOutput, SequentialHead
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, a: torch.Tensor, ctx: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor,
+                cos_k: torch.Tensor, sin_k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """a [B, Q, H] normed queries; ctx [B, S, H]; allowed [B, Q, S+Q] -> [B, Q, H]."""
+        b, nq, _ = a.shape
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(a).view(b, nq, -1, d)).transpose(1, 2)  # [B, nH, Q, D]
+        kv_in = torch.cat([ctx, a], dim=1)  # [B, S+Q, H]: ctx enters as is, not re-normed
+        k = self.k_norm(self.k_proj(kv_in).view(b, kv_in.shape[1], -1, d)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, d).transpose(1, 2)
+        q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos_k, sin_k)
+        return self.o_proj(attention(q, k, v, allowed, d ** -0.5))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: tuple[torch.Tensor, ...],
+                allowed: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, *rope, allowed)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DLiteDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layer_depth_embedding = nn.Embedding(cfg.num_target_layers, cfg.hidden_size)
+        self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sequential_head = SequentialHead(cfg.vocab_size, cfg.sequential_rank, cfg.hidden_size)
+        self.register_buffer("target_layer_ids", torch.tensor(cfg.target_layer_ids), persistent=False)
+
+    def backbone(
+        self,
+        chs: torch.Tensor,  # [B, S, H] target hidden states at the pivot (anchor_pos - 1)
+        group_ids: torch.Tensor,  # [B, G] int64 tokens ending with the anchor, left-padded
+        group_len: torch.Tensor,  # [B] int64 G' = valid tokens at the right of group_ids (>= 1)
+        embed_weight: torch.Tensor,  # [V, H] the target's embed_tokens weight
+    ) -> torch.Tensor:
+        """The parallel backbone: returns draft_hidden [B, K, H]."""
+        cfg = self.cfg
+        b, s, hsz = chs.shape
+        g = group_ids.shape[1]
+        if s != cfg.chs_num_layers or hsz != cfg.hidden_size:
+            raise ValueError(f"chs must be [B, {cfg.chs_num_layers}, {cfg.hidden_size}], got {tuple(chs.shape)}")
+        if group_ids.ndim != 2 or g != cfg.anchor_group_size:
+            raise ValueError(f"group_ids must be [B, G={cfg.anchor_group_size}] (left-padded), "
+                             f"got {tuple(group_ids.shape)}")
+        k_props = cfg.num_proposals
+        ctx = self.context_norm(chs + self.layer_depth_embedding(self.target_layer_ids))  # [B, S, H]
+        mask_row = embed_weight[cfg.mask_token_id]  # [H]
+        x = torch.cat([
+            nn.functional.embedding(group_ids, embed_weight),  # [B, G, H]
+            mask_row.expand(b, k_props, hsz),  # [B, K, H]
+        ], dim=1)  # [B, G+K, H]
+        # Local RoPE positions. Left padding of the group shifts the query slots by
+        # pad = G - G'; valid queries sit at 0..G'+K-1, context slots at max(G'-2, 0).
+        slot = torch.arange(g + k_props, device=chs.device)  # [G+K]
+        pad = (g - group_len)[:, None]  # [B, 1]
+        q_pos = (slot[None, :] - pad).clamp_min(0)  # [B, G+K]
+        c_pos = (group_len - 2).clamp_min(0)[:, None].expand(b, s)  # [B, S]
+        cos_q, sin_q = rope_cos_sin(q_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos_k, sin_k = rope_cos_sin(torch.cat([c_pos, q_pos], dim=1), cfg.head_dim, cfg.rope_theta, x.dtype)
+        # Non-causal: every query sees every context slot and every valid (non-pad) query.
+        key_ok = torch.cat([torch.ones(b, s, dtype=torch.bool, device=chs.device), slot[None, :] >= pad], dim=1)
+        allowed = key_ok[:, None, :].expand(b, g + k_props, s + g + k_props)  # [B, G+K, S+G+K]
+        rope = (cos_q, sin_q, cos_k, sin_k)
+        for layer in self.layers:
+            x = layer(x, ctx, rope, allowed)
+        return self.norm(x)[:, -k_props:]  # [B, K, H]
+
+    def forward(
+        self,
+        chs: torch.Tensor,
+        group_ids: torch.Tensor,
+        group_len: torch.Tensor,
+        embed_weight: torch.Tensor,
+        temperature: float = 0.0,
+        uniforms: torch.Tensor | None = None,  # [B, K] when temperature > 0
+    ) -> HeadOutput:
+        """One draft block: backbone then the K head steps. Returns tokens [B, K], logits [B, K, V]."""
+        draft_hidden = self.backbone(chs, group_ids, group_len, embed_weight)
+        anchor = group_ids[:, -1]
+        # G > 1: the head is seeded by the token before the anchor (always present: the
+        # anchor follows at least one token, so G' >= 2).
+        seed_prev = group_ids[:, -2] if self.cfg.anchor_group_size > 1 else None
+        return self.sequential_head(draft_hidden, anchor, seed_prev, temperature, uniforms)

@@ -1,0 +1,81 @@
+"""Export-friendly building blocks shared by the target adapter and the draft.
+
+Plain tensor ops only: RoPE from explicit integer positions as real cos/sin, attention as
+matmul + additive mask + softmax (no SDPA dispatch, no cache objects), so the same code runs
+eagerly and traces into ONNX.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm: normalise in fp32, cast back, then scale (as transformers does)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with Qwen3's parameter names."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, head_dim] for integer positions [B, T] (default RoPE, Qwen3 layout)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)  # [D/2]
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, h, T, D] rotated by cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Grouped-query attention with an explicit boolean mask.
+
+    q [B, nH, T, D]; k, v [B, kvH, L, D]; allowed [B, T, L] (True = may attend).
+    Returns [B, T, nH * D]. Each query row must allow at least one key.
+    """
+    b, n_heads, t, d = q.shape
+    kv_heads = k.shape[1]
+    groups = n_heads // kv_heads
+    qg = q.reshape(b, kv_heads, groups * t, d)  # heads of one kv group stacked along T
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, kvH, g*T, L]
+    scores = scores.reshape(b, kv_heads, groups, t, -1)
+    mask = allowed[:, None, None, :, :]
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).reshape(b, kv_heads, groups * t, -1)
+    out = torch.matmul(probs, v).reshape(b, n_heads, t, d)  # [B, nH, T, D]
+    return out.transpose(1, 2).reshape(b, t, n_heads * d)

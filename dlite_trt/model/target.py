@@ -1,0 +1,92 @@
+"""The Qwen3 target as a pure function of (tokens, positions, past KV): the verifier.
+
+``TargetAdapter`` wraps a transformers ``Qwen3ForCausalLM`` and reuses its modules (so
+parameter names stay ``model.layers.{i}.self_attn.q_proj.weight`` ... as in the checkpoint),
+but runs its own export-friendly forward: explicit per-token positions, a preallocated KV
+buffer passed in as a tensor view, and only the block's new KV entries returned. It also
+returns the hidden states of the draft's selected layers, with DLite's layer-id semantics:
+id k is the output of decoder layer k, and id N-1 is taken after the final RMSNorm
+(``output_hidden_states[k + 1]`` in transformers).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from dlite_trt.config import TargetSpec
+from dlite_trt.model.ops import apply_rope, attention, rms_norm, rope_cos_sin
+
+
+class TargetOutput(NamedTuple):
+    logits: torch.Tensor  # [B, R, V] at the requested output indices
+    hidden: torch.Tensor  # [B, R, S, H] selected layers at the same indices
+    new_k: torch.Tensor  # [L, B, kvH, T, D] keys of the T input tokens (RoPE applied)
+    new_v: torch.Tensor  # [L, B, kvH, T, D]
+
+
+class TargetAdapter(nn.Module):
+    """Qwen3 forward over a block of tokens on top of a KV cache; returns new KV entries."""
+
+    def __init__(self, hf_model: nn.Module, spec: TargetSpec, layer_ids: tuple[int, ...]) -> None:
+        super().__init__()
+        if not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= spec.num_hidden_layers:
+            raise ValueError(f"layer_ids {layer_ids} out of range for a {spec.num_hidden_layers}-layer target")
+        self.model = hf_model.model  # embed_tokens, layers, norm (transformers Qwen3Model)
+        self.lm_head = hf_model.lm_head
+        self.spec = spec
+        self.layer_ids = tuple(layer_ids)
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight  # [V, H]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor,  # [B, T] int64, absolute positions of the tokens
+        past_k: torch.Tensor,  # [L, B, kvH, P, D] cache view (entries >= past_len are ignored)
+        past_v: torch.Tensor,  # [L, B, kvH, P, D]
+        past_len: torch.Tensor,  # [B] int64, valid cache entries per sequence
+        output_index: torch.Tensor,  # [B, R] int64, indices into T where logits/hidden are wanted
+    ) -> TargetOutput:
+        if input_ids.ndim != 2 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must be [B, T]; got {tuple(input_ids.shape)}, "
+                             f"{tuple(positions.shape)}")
+        spec = self.spec
+        b, t = input_ids.shape
+        p = past_k.shape[3]
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, x.dtype)
+        # Keys: P cached entries (valid below past_len) then the T new ones (causal).
+        past_ok = torch.arange(p, device=x.device)[None, None, :] < past_len[:, None, None]  # [B, 1, P]
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()  # [T, T]
+        allowed = torch.cat([past_ok.expand(b, t, p), causal.expand(b, t, t)], dim=-1)  # [B, T, P+T]
+        scale = spec.head_dim ** -0.5
+        n_layers = spec.num_hidden_layers
+        gather = output_index[:, :, None].expand(-1, -1, spec.hidden_size)  # [B, R, H]
+        new_k, new_v, selected = [], [], {}
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(b, t, -1, spec.head_dim)).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(h).view(b, t, -1, spec.head_dim)).transpose(1, 2)
+            v = attn.v_proj(h).view(b, t, -1, spec.head_dim).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            new_k.append(k)
+            new_v.append(v)
+            keys = torch.cat([past_k[i], k], dim=2)
+            values = torch.cat([past_v[i], v], dim=2)
+            x = x + attn.o_proj(attention(q, keys, values, allowed, scale))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in self.layer_ids and i != n_layers - 1:
+                selected[i] = torch.gather(x, 1, gather)
+        x_out = torch.gather(x, 1, gather)  # [B, R, H]
+        normed = rms_norm(x_out, self.model.norm.weight, self.model.norm.variance_epsilon)
+        if n_layers - 1 in self.layer_ids:
+            selected[n_layers - 1] = normed
+        hidden = torch.stack([selected[i] for i in self.layer_ids], dim=2)  # [B, R, S, H]
+        logits = self.lm_head(normed)  # [B, R, V]
+        return TargetOutput(logits, hidden, torch.stack(new_k), torch.stack(new_v))

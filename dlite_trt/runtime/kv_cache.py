@@ -1,0 +1,48 @@
+"""A preallocated target KV cache written O(block) per step.
+
+Layout: k, v [L, B, kvH, capacity, D]. A forward reads a view of the first P entries and
+returns only its new entries; ``write`` copies those into each sequence's slots. Entries past
+a sequence's valid length (rejected drafts, padding) are never read: the attention mask
+stops at ``past_len``, and the next write overwrites them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, batch, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow (doubling) when a session outgrows its buffer; amortised O(1) per token."""
+        if needed <= self.capacity:
+            return
+        new_cap = max(needed, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            grown = old.new_zeros(*old.shape[:3], new_cap, old.shape[4])
+            grown[:, :, :, : old.shape[3]] = old
+            setattr(self, name, grown)
+
+    def view(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` slots of every sequence, [L, B, kvH, length, D], without copying."""
+        return self.k[:, :, :, :length], self.v[:, :, :, :length]
+
+    def write(self, new_k: torch.Tensor, new_v: torch.Tensor, start: list[int], count: list[int]) -> None:
+        """Store new_k/new_v [L, B, kvH, T, D]: row b's first count[b] entries at start[b]."""
+        for b, (s, n) in enumerate(zip(start, count, strict=True)):
+            if n <= 0:
+                continue
+            if s + n > self.capacity:
+                raise ValueError(f"KV write past capacity: row {b} needs {s + n} > {self.capacity} slots")
+            self.k[:, b, :, s : s + n] = new_k[:, b, :, :n]
+            self.v[:, b, :, s : s + n] = new_v[:, b, :, :n]

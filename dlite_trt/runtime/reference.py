@@ -1,0 +1,231 @@
+"""The reference speculative generator in PyTorch (DESIGN 1.3): the behaviour every backend matches.
+
+A ``Session`` holds a batch of sequences and the target's KV cache. ``generate``/``stream``
+first run the target on each sequence's uncached suffix (the prompt at first; after
+``extend``, the appended turn), which yields the first anchor and pivot; then speculative
+steps: verify [anchor, d_1..d_K], accept per sequence, draft the next block from the verify
+pass's hidden states at the last accepted position. Each sequence advances by its own
+acceptance length. The draft keeps no state, so ``extend`` costs it nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dlite_trt.errors import DLiteError
+from dlite_trt.model.draft import DLiteDraft
+from dlite_trt.model.target import TargetAdapter
+from dlite_trt.runtime.kv_cache import KVCache
+from dlite_trt.runtime.sampling import (
+    greedy_accept,
+    is_greedy,
+    probs_from_logits,
+    rejection_accept,
+    sample_from_logits,
+)
+from dlite_trt.runtime.stats import GenerationResult, StageTimer, StepRecord
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise DLiteError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}.")
+        if not self.temperature >= 0.0:
+            raise DLiteError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}.")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Tokens emitted by one engine call (the prefill, or one speculative step) per sequence."""
+
+    new_tokens: tuple[tuple[int, ...], ...]
+    record: StepRecord | None  # None for the prefill call
+
+
+class SpeculativeGenerator:
+    """Target + DLite draft in PyTorch."""
+
+    def __init__(self, target: TargetAdapter, draft: DLiteDraft) -> None:
+        if target.layer_ids != draft.cfg.target_layer_ids:
+            raise DLiteError(f"target adapter returns layers {target.layer_ids}, the draft reads "
+                             f"{draft.cfg.target_layer_ids}")
+        self.target = target
+        self.draft = draft
+
+    def session(self, prompts: Sequence[Sequence[int]]) -> Session:
+        return Session(self, prompts)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
+        return self.session(prompts).generate(params)
+
+
+class Session:
+    """A live batch of sequences: generate, extend with new tokens, generate again."""
+
+    def __init__(self, gen: SpeculativeGenerator, prompts: Sequence[Sequence[int]]) -> None:
+        if not prompts:
+            raise DLiteError("no prompts given; pass at least one sequence of token ids.")
+        self.gen = gen
+        self.spec = gen.target.spec
+        self.tokens: list[list[int]] = []
+        for row, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise DLiteError(f"prompt {row} is empty; every sequence needs at least one token.")
+            self.tokens.append(self._checked(prompt, f"prompt {row}"))
+        self.cache_len = [0] * len(prompts)  # KV entries valid per sequence
+        param = next(gen.target.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        spec = self.spec
+        self.cache = KVCache(spec.num_hidden_layers, len(prompts), spec.num_key_value_heads, spec.head_dim,
+                             capacity=max(map(len, self.tokens)) + 64, dtype=self.dtype, device=self.device)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tokens)
+
+    def _checked(self, ids: Sequence[int], what: str) -> list[int]:
+        ids = [int(t) for t in ids]
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise DLiteError(f"{what} has token ids outside the target vocabulary [0, {self.spec.vocab_size}): "
+                             f"{bad[:5]}; tokenize with the target's tokenizer.")
+        return ids
+
+    def extend(self, new_tokens: Sequence[Sequence[int]]) -> None:
+        """Append tokens (a user turn, a tool result) to each sequence; earlier turns are not recomputed."""
+        if len(new_tokens) != self.batch_size:
+            raise DLiteError(f"extend got {len(new_tokens)} sequences for a batch of {self.batch_size}.")
+        for row, ids in enumerate(new_tokens):
+            self.tokens[row].extend(self._checked(ids, f"extension {row}"))
+
+    def generate(self, params: SamplingParams) -> GenerationResult:
+        result = GenerationResult(output_ids=[[] for _ in self.tokens])
+        timer = StageTimer()
+        for event in self.stream(params, timer):
+            for row, toks in enumerate(event.new_tokens):
+                result.output_ids[row].extend(toks)
+            if event.record is not None:
+                result.steps.append(event.record)
+        result.timings = timer.as_dict()
+        result.stop_reasons = list(self._stop_reasons)
+        return result
+
+    @torch.inference_mode()
+    def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
+        """Yield the tokens each engine call emits, per sequence, until every sequence stops."""
+        timer = timer or StageTimer()
+        b = self.batch_size
+        k_props = self.gen.draft.cfg.num_proposals
+        self._stop_reasons = ["max_new_tokens"] * b
+        if params.max_new_tokens == 0:
+            return
+        longest = max(map(len, self.tokens)) + params.max_new_tokens
+        if longest > self.spec.max_position_embeddings:
+            raise DLiteError(
+                f"a sequence would reach {longest} tokens, past the target's max_position_embeddings="
+                f"{self.spec.max_position_embeddings}; shorten the prompt or lower max_new_tokens."
+            )
+        self.cache.ensure_capacity(longest + k_props + 1)
+        rng = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        sampling = not is_greedy(params.temperature)
+        self._emitted = [0] * b
+        self._active = [True] * b
+
+        def uniforms(*shape: int) -> torch.Tensor | None:
+            return torch.rand(*shape, generator=rng).to(self.device) if sampling else None
+
+        with timer.time("prefill"):
+            out = self._run_suffix()
+            anchor = sample_from_logits(out.logits[:, 0], params.temperature, uniforms(b))  # [B]
+            chs = out.hidden[:, 0]  # [B, S, H]
+        emitted = tuple(self._emit(row, [int(anchor[row])], params) for row in range(b))
+        yield StepEvent(emitted, None)
+        while any(self._active):
+            with timer.time("draft"):
+                proposal = self._draft(chs, params.temperature, uniforms(b, k_props))
+            anchor_pos = [len(t) - 1 for t in self.tokens]  # active rows end with their anchor
+            with timer.time("verify"):
+                block = torch.cat([anchor[:, None], proposal.tokens], dim=1)  # [B, K+1]
+                out = self._run_target(block, anchor_pos, [k_props + 1 if a else 0 for a in self._active],
+                                       torch.arange(k_props + 1, device=self.device).expand(b, -1))
+            with timer.time("accept"):
+                if sampling:
+                    n, anchor = rejection_accept(
+                        proposal.tokens, probs_from_logits(proposal.logits, params.temperature),
+                        probs_from_logits(out.logits, params.temperature), uniforms(b, k_props), uniforms(b))
+                else:
+                    n, anchor = greedy_accept(proposal.tokens, out.logits)
+                chs = out.hidden[torch.arange(b, device=self.device), n]  # [B, S, H] at block index n
+                drafts, accepted, emitted = [], [], []
+                for row in range(b):
+                    if not self._active[row]:
+                        drafts.append(None), accepted.append(None), emitted.append(())
+                        continue
+                    n_row = int(n[row])
+                    drafts.append(tuple(proposal.tokens[row].tolist()))
+                    accepted.append(n_row)
+                    self.cache_len[row] = anchor_pos[row] + n_row + 1  # anchor, d_1..d_n are now cached
+                    emitted.append(self._emit(row, proposal.tokens[row, :n_row].tolist() + [int(anchor[row])], params))
+            yield StepEvent(tuple(emitted), StepRecord(tuple(drafts), tuple(accepted)))
+
+    def _emit(self, row: int, new: list[int], params: SamplingParams) -> tuple[int, ...]:
+        """Append accepted tokens to a sequence, cut at a stop token or max_new_tokens."""
+        kept = []
+        for tok in new:
+            kept.append(tok)
+            self._emitted[row] += 1
+            if tok in params.stop_token_ids:
+                self._active[row], self._stop_reasons[row] = False, "stop_token"
+                break
+            if self._emitted[row] >= params.max_new_tokens:
+                self._active[row] = False
+                break
+        self.tokens[row].extend(kept)
+        # Cached entries past the kept tokens (accepted after a cut) are invalid; the last
+        # token always stays uncached so the next generate has a suffix to start from.
+        self.cache_len[row] = min(self.cache_len[row], len(self.tokens[row]) - 1)
+        return tuple(kept)
+
+    def _run_suffix(self):
+        """Target over each sequence's uncached tokens (right-padded to a batch)."""
+        suffixes = [t[c:] for t, c in zip(self.tokens, self.cache_len, strict=True)]
+        width = max(map(len, suffixes))
+        ids = torch.zeros(self.batch_size, width, dtype=torch.long)
+        for row, s in enumerate(suffixes):
+            ids[row, : len(s)] = torch.tensor(s)
+        last = torch.tensor([[len(s) - 1] for s in suffixes], device=self.device)  # [B, 1]
+        out = self._run_target(ids.to(self.device), list(self.cache_len), [len(s) for s in suffixes], last)
+        self.cache_len = [len(t) for t in self.tokens]
+        return out
+
+    def _run_target(self, ids: torch.Tensor, start: list[int], count: list[int], output_index: torch.Tensor):
+        """One target forward at positions start[b].. on top of the cache; stores count[b] new entries."""
+        b, t = ids.shape
+        start_t = torch.tensor(start, device=self.device)
+        positions = start_t[:, None] + torch.arange(t, device=self.device)  # [B, T]
+        past_k, past_v = self.cache.view(max(start))
+        out = self.gen.target(ids, positions, past_k, past_v, start_t, output_index)
+        self.cache.write(out.new_k, out.new_v, start, count)
+        return out
+
+    def _draft(self, chs: torch.Tensor, temperature: float, u: torch.Tensor | None):
+        """Draft one block per sequence from the pivot states and the token group ending at the anchor."""
+        g = self.gen.draft.cfg.anchor_group_size
+        group = torch.zeros(self.batch_size, g, dtype=torch.long)
+        group_len = torch.zeros(self.batch_size, dtype=torch.long)
+        for row, toks in enumerate(self.tokens):
+            tail = toks[-g:]
+            group[row, g - len(tail):] = torch.tensor(tail)
+            group_len[row] = len(tail)
+        return self.gen.draft(chs, group.to(self.device), group_len.to(self.device),
+                              self.gen.target.embed_weight, temperature, u)

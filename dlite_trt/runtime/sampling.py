@@ -1,0 +1,78 @@
+"""Token choice and speculative verification, as pure functions of explicit random numbers.
+
+Random numbers are inputs (uniforms in [0, 1)), never drawn inside, so the same function
+gives the same tokens in the reference, in an exported graph and in a plugin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures at or below this are greedy
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature <= GREEDY_EPS
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in fp32, [..., V]."""
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample: probs [..., V] (need not be normalised), u [...] in [0, 1) -> ids [...]."""
+    cdf = probs.cumsum(dim=-1)  # [..., V]
+    target = (u.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)  # [..., 1]
+    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def sample_from_logits(logits: torch.Tensor, temperature: float, u: torch.Tensor | None) -> torch.Tensor:
+    """argmax when greedy, else a sample from softmax(logits / T) with uniforms u [...]."""
+    if is_greedy(temperature):
+        return logits.argmax(dim=-1)
+    if u is None:
+        raise ValueError("sampling with temperature > 0 needs uniform random numbers")
+    return sample_categorical(probs_from_logits(logits, temperature), u)
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of one block per sequence.
+
+    draft_tokens [B, K]; target_logits [B, K+1, V] for [anchor, d_1..d_K].
+    Returns n [B] (leading i with d_i == argmax of the logits before it) and the next
+    anchor [B] = posterior[n].
+    """
+    posterior = target_logits.argmax(dim=-1)  # [B, K+1]
+    matches = (draft_tokens == posterior[:, :-1]).long()  # [B, K]
+    n = matches.cumprod(dim=1).sum(dim=1)  # [B]
+    next_token = posterior.gather(1, n[:, None]).squeeze(1)
+    return n, next_token
+
+
+def rejection_accept(
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor,  # [B, K, V] q, the distributions the drafts were sampled from
+    target_probs: torch.Tensor,  # [B, K+1, V] p
+    u_accept: torch.Tensor,  # [B, K] uniforms for the accept tests
+    u_resample: torch.Tensor,  # [B] uniform for the correction / bonus sample
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative rejection sampling (lossless in distribution).
+
+    Accept d_i while u_i < min(1, p(d_i) / q(d_i)); at the first rejection n, sample the
+    next token from norm(max(p_n - q_n, 0)); if all K are accepted, from p_K (the bonus).
+    """
+    b, k = draft_tokens.shape
+    p_tok = target_probs[:, :k].gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
+    q_tok = draft_probs.gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
+    accept = u_accept * q_tok < p_tok  # u < p/q without dividing by q
+    n = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+    p_n = target_probs.gather(1, n[:, None, None].expand(b, 1, target_probs.shape[-1])).squeeze(1)  # [B, V]
+    q_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # q_K := 0
+    q_n = q_padded.gather(1, n[:, None, None].expand(b, 1, q_padded.shape[-1])).squeeze(1)
+    residual = (p_n - q_n).clamp_min(0.0)
+    # p == q at a rejected position has zero residual mass; it cannot be rejected then, but
+    # guard against rounding by falling back to p.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)
+    return n, sample_categorical(residual, u_resample)
