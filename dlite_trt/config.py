@@ -231,7 +231,7 @@ class DraftConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"draft head_dim must be even for RoPE, got {self.head_dim}.")
-        if not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
+        if not isinstance(self.mask_token_id, int) or isinstance(self.mask_token_id, bool) or self.mask_token_id < 0:
             raise ConfigError(f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}.")
         expected = select_target_layer_ids(self.num_target_layers, len(self.target_layer_ids))
         if self.target_layer_ids != expected:

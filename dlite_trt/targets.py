@@ -88,9 +88,13 @@ def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = 0) -> t
     if source.is_random:
         torch.manual_seed(seed)
         return Qwen3ForCausalLM(Qwen3Config(**source.spec.to_hf_config())).to(dtype).eval()
+    from safetensors import SafetensorError
+
     try:
-        model, info = Qwen3ForCausalLM.from_pretrained(source.path, dtype=dtype, output_loading_info=True)
-    except (OSError, ValueError, RuntimeError) as exc:
+        # ignore_mismatched_sizes only moves shape mismatches into `info`, which is checked below.
+        model, info = Qwen3ForCausalLM.from_pretrained(source.path, dtype=dtype, output_loading_info=True,
+                                                       ignore_mismatched_sizes=True)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise CheckpointError(
             f"cannot load the target weights from {source.path}: {exc}. The files are missing, truncated or corrupt."
         ) from exc
