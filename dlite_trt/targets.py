@@ -86,8 +86,8 @@ def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = 0) -> t
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if source.is_random:
-        torch.manual_seed(seed)
-        return Qwen3ForCausalLM(Qwen3Config(**source.spec.to_hf_config())).to(dtype).eval()
+        torch.manual_seed(seed)  # built directly in `dtype`: an 8B target never exists in fp32
+        return Qwen3ForCausalLM._from_config(Qwen3Config(**source.spec.to_hf_config()), dtype=dtype).eval()
     from safetensors import SafetensorError
 
     try:

@@ -15,9 +15,10 @@ def _parse_ids(value: str) -> list[int]:
     try:
         ids = [int(tok) for tok in value.replace(" ", "").split(",") if tok]
     except ValueError as exc:
-        raise click.BadParameter(f"expected comma-separated integers like 1,2,3, got {value!r}") from exc
+        raise click.BadParameter(f"expected comma-separated integers like 1,2,3, got {value!r}",
+                                 param_hint="'--input-ids'") from exc
     if not ids:
-        raise click.BadParameter("no token ids given")
+        raise click.BadParameter("no token ids given", param_hint="'--input-ids'")
     return ids
 
 
@@ -44,8 +45,12 @@ def command(target: str, draft: Path, prompt: str | None, input_ids: str | None,
         raise click.UsageError("pass exactly one of --prompt TEXT or --input-ids 1,2,3")
     ids = _parse_ids(input_ids) if input_ids is not None else None
 
+    from transformers.utils import logging as hf_logging
+
     from dlite_trt.loading import load_pair
     from dlite_trt.runtime.reference import SamplingParams
+
+    hf_logging.disable_progress_bar()  # this command prints its own summary
 
     pair = load_pair(target, draft, dtype=dtype, random_weights=random_weights)
     tok = pair.tokenizer
