@@ -70,6 +70,16 @@ def _positive(obj: object, *names: str) -> None:
             raise ConfigError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}.")
 
 
+def _check_attention_shape(cfg: TargetSpec | DraftConfig, who: str) -> None:
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(
+            f"{who} num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={cfg.num_key_value_heads}."
+        )
+    if cfg.head_dim % 2:
+        raise ConfigError(f"{who} head_dim must be even for RoPE, got {cfg.head_dim}.")
+
+
 @dataclass(frozen=True)
 class TargetSpec:
     """Shape of a Qwen3 target (what a Hugging Face Qwen3 config.json describes)."""
@@ -92,13 +102,7 @@ class TargetSpec:
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}."
-            )
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+        _check_attention_shape(self, "target")
 
     @classmethod
     def from_hf_config(cls, raw: Mapping[str, Any], where: str = "target config.json") -> TargetSpec:
@@ -173,6 +177,9 @@ _DLITE_KEYS = (
     "architecture_version", "model_role", "anchor_group_size", "chs_num_layers", "target_layer_ids",
     "sequential_head", "sequential_rank", "mask_token_id",
 )
+# dlite_config keys a checkpoint may omit, with the value they then mean. DLite's training code
+# writes students without anchor_group_size: their queries are [anchor, mask x K], i.e. G = 1.
+_DLITE_DEFAULTS = {"anchor_group_size": 1}
 
 
 @dataclass(frozen=True)
@@ -224,13 +231,7 @@ class DraftConfig:
                   "anchor_group_size", "sequential_rank")
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ConfigError(f"block_size must be an int >= 2 (1 anchor + K >= 1 proposals), got {self.block_size!r}.")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"draft num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}."
-            )
-        if self.head_dim % 2:
-            raise ConfigError(f"draft head_dim must be even for RoPE, got {self.head_dim}.")
+        _check_attention_shape(self, "draft")
         if not isinstance(self.mask_token_id, int) or isinstance(self.mask_token_id, bool) or self.mask_token_id < 0:
             raise ConfigError(f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}.")
         expected = select_target_layer_ids(self.num_target_layers, len(self.target_layer_ids))
@@ -267,6 +268,7 @@ class DraftConfig:
                 "re-export the draft with the current DLite release."
             )
         _require(raw, _DRAFT_KEYS, where)
+        dlite = {**_DLITE_DEFAULTS, **dlite}
         _require(dlite, _DLITE_KEYS, f"{where} dlite_config")
         if int(dlite["chs_num_layers"]) != len(dlite["target_layer_ids"]):
             raise ConfigError(

@@ -372,3 +372,10 @@ def test_target_spec_rejects_missing_key():
     del raw["intermediate_size"]
     with pytest.raises(ConfigError, match="missing required keys"):
         TargetSpec.from_hf_config(raw)
+
+
+def test_missing_anchor_group_size_means_one():
+    """DLite's training code writes students without anchor_group_size (queries = anchor + masks)."""
+    raw = official_raw()
+    del raw["dlite_config"]["anchor_group_size"]
+    assert DraftConfig.from_dict(raw).anchor_group_size == 1

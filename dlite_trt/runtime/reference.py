@@ -83,6 +83,10 @@ class Session:
                 raise DLiteError(f"prompt {row} is empty; every sequence needs at least one token.")
             self.tokens.append(self._checked(prompt, f"prompt {row}"))
         self.cache_len = [0] * len(prompts)  # KV entries valid per sequence
+        # per-generate progress, reset by stream()
+        self._emitted = [0] * len(prompts)
+        self._active = [False] * len(prompts)
+        self._stop_reasons = ["max_new_tokens"] * len(prompts)
         param = next(gen.target.parameters())
         self.device, self.dtype = param.device, param.dtype
         spec = self.spec
@@ -127,6 +131,8 @@ class Session:
         b = self.batch_size
         k_props = self.gen.draft.cfg.num_proposals
         self._stop_reasons = ["max_new_tokens"] * b
+        self._emitted = [0] * b
+        self._active = [params.max_new_tokens > 0] * b
         if params.max_new_tokens == 0:
             return
         longest = max(map(len, self.tokens)) + params.max_new_tokens
@@ -138,8 +144,6 @@ class Session:
         self.cache.ensure_capacity(longest + k_props + 1)
         rng = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         sampling = not is_greedy(params.temperature)
-        self._emitted = [0] * b
-        self._active = [True] * b
 
         def uniforms(*shape: int) -> torch.Tensor | None:
             return torch.rand(*shape, generator=rng).to(self.device) if sampling else None
