@@ -21,11 +21,15 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample: probs [..., V] (need not be normalised), u [...] in [0, 1) -> ids [...]."""
+    """Inverse-CDF sample: probs [..., V] (need not be normalised), u [...] in [0, 1) -> ids [...].
+
+    The id is the number of CDF entries <= u * total (the first entry above it), written
+    with cumsum/compare/sum so that it exports to ONNX (no searchsorted there).
+    """
     cdf = probs.cumsum(dim=-1)  # [..., V]
-    target = (u.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)  # [..., 1]
-    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    target = u.to(cdf.dtype).unsqueeze(-1) * cdf[..., -1:]  # [..., 1]
+    idx = (cdf <= target).sum(dim=-1)
+    return idx.clamp(max=probs.shape[-1] - 1)
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: float, u: torch.Tensor | None) -> torch.Tensor:
