@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from dlite_trt.config import DraftConfig, TargetSpec
@@ -83,8 +85,81 @@ def generator(hf_target, spec: TargetSpec, draft: DLiteDraft) -> SpeculativeGene
 
 @torch.no_grad()
 def hf_greedy(hf_target, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Target-only greedy decoding with transformers generate (the losslessness oracle)."""
+    """Target-only greedy decoding with transformers generate (the losslessness oracle).
+
+    ``hf_target`` is a transformers model or a model directory.
+    """
+    if isinstance(hf_target, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        hf_target = AutoModelForCausalLM.from_pretrained(hf_target).eval()
     ids = torch.tensor([prompt])
     out = hf_target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+class OracleProposals:
+    """Controlled proposals for testing the generator's bookkeeping at full target strength.
+
+    Installed on a Session, it lets the real draft run on the real pivot inputs (and records
+    them, with the context each was computed from), then replaces the proposed tokens with the
+    target's own greedy continuation, corrupted at seeded random positions. Acceptance then
+    covers 0..K for a target whose attention matters fully, so stale or misplaced KV entries,
+    wrong positions or a wrong pivot change the output.
+    """
+
+    def __init__(self, session, corrupt: float = 0.2, seed: int = 0) -> None:
+        self.session = session
+        self.corrupt = corrupt
+        self.rng = torch.Generator().manual_seed(seed)
+        self.expected: list[list[int]] = []  # per row: context + the target's greedy continuation
+        self.records: list[tuple] = []  # (chs, group_ids, group_len, contexts, active) per draft call
+        real_draft = session._draft
+        draft_module = session.gen.draft
+        vocab = draft_module.cfg.vocab_size
+
+        def propose(chs, temperature, u):
+            seen = []
+            hook = draft_module.register_forward_pre_hook(lambda m, args: seen.append(args))
+            try:
+                out = real_draft(chs, temperature, u)
+            finally:
+                hook.remove()
+            _, group, group_len = seen[0][:3]
+            self.records.append((chs.clone(), group.clone(), group_len.clone(),
+                                 [list(t) for t in session.tokens], list(session._active)))
+            tokens = out.tokens.clone()
+            k = tokens.shape[1]
+            for row, ctx in enumerate(session.tokens):
+                want = self.expected[row][len(ctx): len(ctx) + k]
+                want = want + [0] * (k - len(want))
+                flip = torch.rand(k, generator=self.rng) < self.corrupt
+                tokens[row] = torch.tensor([(t + 1) % vocab if f else t for t, f in zip(want, flip.tolist())])
+            return type(out)(tokens, out.logits)
+
+        session._draft = propose
+
+    def expect(self, hf_target, max_new_tokens: int) -> None:
+        """Precompute each row's greedy continuation of its current context (before a generate)."""
+        k = self.session.gen.draft.cfg.num_proposals
+        self.expected = [ctx + hf_greedy(hf_target, ctx, max_new_tokens + k) for ctx in self.session.tokens]
+
+    @torch.no_grad()
+    def check_pivots(self, hf_target, atol: float = 1e-4) -> int:
+        """Every active row's draft inputs: chs = the target's selected layers at anchor_pos - 1,
+        group = the last G tokens ending with the anchor. Returns how many were checked."""
+        cfg = self.session.gen.draft.cfg
+        g = cfg.anchor_group_size
+        checked = 0
+        for chs, group, group_len, contexts, active in self.records:
+            for row, ctx in enumerate(contexts):
+                if not active[row]:
+                    continue
+                states = hf_target(torch.tensor([ctx[:-1]]), output_hidden_states=True).hidden_states
+                want = torch.stack([states[k + 1][0, -1] for k in cfg.target_layer_ids])  # [S, H]
+                torch.testing.assert_close(chs[row], want, atol=atol, rtol=0)
+                tail = ctx[-g:]
+                assert int(group_len[row]) == len(tail) and group[row, g - len(tail):].tolist() == tail
+                checked += 1
+        return checked

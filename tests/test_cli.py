@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import hf_greedy
 
 from dlite_trt.cli import main
 
@@ -92,20 +93,6 @@ def no_tokenizer_target(tiny_pair, tmp_path_factory) -> Path:
 
 def block_size_of(draft_dir: Path) -> int:
     return json.loads((Path(draft_dir) / "config.json").read_text())["block_size"]
-
-
-def hf_greedy(target_dir_or_model, prompt: list[int], n: int) -> list[int]:
-    """Target-only greedy decoding with transformers, never stopping early (the losslessness oracle)."""
-    from transformers import AutoModelForCausalLM
-
-    model = target_dir_or_model
-    if isinstance(model, (str, Path)):
-        model = AutoModelForCausalLM.from_pretrained(model).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None,
-                             pad_token_id=0, min_new_tokens=n, max_new_tokens=n)
-    return out[0, len(prompt):].tolist()
 
 
 def invoke(runner: CliRunner, target: Path | str, draft: Path | str, *args: str):
