@@ -102,6 +102,21 @@ def check_state_dict(state: Mapping[str, torch.Tensor], model: torch.nn.Module, 
         )
 
 
+def check_dtypes(state: Mapping[str, torch.Tensor], where: str, *, uniform: bool) -> None:
+    """Weights must be floating point; without a cast, all of one dtype."""
+    not_float = sorted(n for n, t in state.items() if not t.is_floating_point())
+    if not_float:
+        raise CheckpointError(
+            f"{where} has non-floating-point weights, e.g. {not_float[:5]} "
+            f"({state[not_float[0]].dtype}); the file is corrupt or is not a DLite draft."
+        )
+    dtypes = sorted({str(t.dtype) for t in state.values()})
+    if uniform and len(dtypes) > 1:
+        raise CheckpointError(
+            f"{where} mixes weight dtypes {dtypes}; load it with a dtype (e.g. dtype=torch.bfloat16) to cast them."
+        )
+
+
 def load_draft_config(ckpt: Path) -> DraftConfig:
     ckpt = Path(ckpt)
     if not ckpt.exists():
@@ -128,8 +143,8 @@ def load_draft(ckpt: Path, *, dtype: torch.dtype | None = torch.float32,
     with torch.device("meta"):
         model = DLiteDraft(cfg)
     check_state_dict(state, model, f"draft checkpoint {ckpt}")
+    check_dtypes(state, f"draft checkpoint {ckpt}", uniform=dtype is None)
     model.load_state_dict(state, strict=True, assign=True)
-    model.target_layer_ids = torch.tensor(cfg.target_layer_ids)  # the non-persistent buffer
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()

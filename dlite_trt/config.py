@@ -125,7 +125,8 @@ class TargetSpec:
             num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            # transformers' Qwen3Config defaults head_dim to 128 (not hidden_size // heads)
+            head_dim=int(raw.get("head_dim", 128) or int(raw["hidden_size"]) // heads),
             intermediate_size=int(raw["intermediate_size"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw, where),
@@ -177,9 +178,6 @@ _DLITE_KEYS = (
     "architecture_version", "model_role", "anchor_group_size", "chs_num_layers", "target_layer_ids",
     "sequential_head", "sequential_rank", "mask_token_id",
 )
-# dlite_config keys a checkpoint may omit, with the value they then mean. DLite's training code
-# writes students without anchor_group_size: their queries are [anchor, mask x K], i.e. G = 1.
-_DLITE_DEFAULTS = {"anchor_group_size": 1}
 
 
 @dataclass(frozen=True)
@@ -267,15 +265,31 @@ class DraftConfig:
                 f"expected {ARCHITECTURE_VERSION!r}: dlite-trt loads official dlite_v1 checkpoints only; "
                 "re-export the draft with the current DLite release."
             )
+        if "anchor_group_size" not in dlite:
+            raise ConfigError(
+                f"{where}: dlite_config has no anchor_group_size (the official dlite_v1 loader requires it). "
+                'If the draft was trained with queries [anchor, mask x K] and no token group, add '
+                '"anchor_group_size": 1 to dlite_config; otherwise add the G it was trained with.'
+            )
+        for key, value, want in (("model_type", raw.get("model_type", "qwen3"), "qwen3"),
+                                 ("hidden_act", raw.get("hidden_act", "silu"), "silu"),
+                                 ("architectures", raw.get("architectures", [DRAFT_ARCHITECTURE]),
+                                  [DRAFT_ARCHITECTURE])):
+            if value != want:
+                raise ConfigError(f"{where}: {key} is {value!r}, expected {want!r}; this is not a dlite_v1 "
+                                  "draft (DLite drafts are Qwen3-style DLiteDraftModel configs).")
         _require(raw, _DRAFT_KEYS, where)
-        dlite = {**_DLITE_DEFAULTS, **dlite}
         _require(dlite, _DLITE_KEYS, f"{where} dlite_config")
-        if int(dlite["chs_num_layers"]) != len(dlite["target_layer_ids"]):
+        layer_ids = dlite["target_layer_ids"]
+        if not isinstance(layer_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                       for i in layer_ids):
+            raise ConfigError(f"{where}: dlite_config.target_layer_ids must be a list of ints, got {layer_ids!r}.")
+        if int(dlite["chs_num_layers"]) != len(layer_ids):
             raise ConfigError(
                 f"{where}: chs_num_layers={dlite['chs_num_layers']} but target_layer_ids has "
                 f"{len(dlite['target_layer_ids'])} entries; they must agree."
             )
-        known = set(_DRAFT_KEYS) | {"dlite_config", "rope_theta", "architectures", "model_type"}
+        known = set(_DRAFT_KEYS) | {"dlite_config", "rope_theta", "architectures", "model_type", "hidden_act"}
         extra = {k: v for k, v in raw.items() if k not in known}
         extra_dlite = {k: v for k, v in dlite.items() if k not in _DLITE_KEYS}
         if extra_dlite:
@@ -287,7 +301,7 @@ class DraftConfig:
             num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(raw["num_key_value_heads"]),
-            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            head_dim=int(raw["head_dim"]),
             intermediate_size=int(raw["intermediate_size"]),
             num_target_layers=int(raw["num_target_layers"]),
             target_layer_ids=tuple(dlite["target_layer_ids"]),
@@ -312,6 +326,7 @@ class DraftConfig:
         out: dict[str, Any] = {
             "architectures": [DRAFT_ARCHITECTURE],
             "model_type": "qwen3",
+            "hidden_act": "silu",
             **extra,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,

@@ -42,6 +42,8 @@ def read_target_spec(path: Path) -> TargetSpec:
         raw = json.loads(cfg.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{cfg} is not valid JSON ({exc}).") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg} must hold a JSON object, got {type(raw).__name__}; the file is corrupt.")
     return TargetSpec.from_hf_config(raw, where=str(cfg))
 
 
@@ -111,3 +113,19 @@ def load_tokenizer(source: TargetSource) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source.path)
+
+
+def stop_token_ids(source: TargetSource, tokenizer: Any | None) -> tuple[int, ...]:
+    """Where the target says generation ends: the union of config.json's eos_token_id,
+    generation_config.json's (Qwen3 lists <|im_end|> and <|endoftext|> there) and the tokenizer's."""
+    ids = list(source.spec.stop_token_ids)
+    gen_cfg = source.path / "generation_config.json" if source.path is not None else None
+    if gen_cfg is not None and gen_cfg.is_file():
+        try:
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise CheckpointError(f"{gen_cfg} is not a valid JSON object ({exc!r}); fix or delete it.") from exc
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))

@@ -68,8 +68,7 @@ def assert_bit_exact(loaded: torch.nn.Module, original: torch.nn.Module) -> None
         assert got[name].shape == tensor.shape, name
         assert torch.equal(got[name], tensor), name
         assert torch.equal(bits(got[name]), bits(tensor)), name
-    # the non-persistent buffer is rebuilt from config.json
-    assert loaded.target_layer_ids.tolist() == list(original.cfg.target_layer_ids)
+    assert loaded.cfg == original.cfg
 
 
 @contextmanager
@@ -211,6 +210,19 @@ def test_wrong_shape(ckpt):
     with raises_with(CheckpointError, "shape does not match config.json",
                      "sequential_head.state_proj.weight: file (64, 64), config needs (128, 128)"):
         load_draft(ckpt)
+
+
+def test_integer_weight(ckpt):
+    rewrite_weights(ckpt, lambda s: s.update({"norm.weight": s["norm.weight"].to(torch.int32)}))
+    with raises_with(CheckpointError, "non-floating-point weights", "norm.weight", "torch.int32"):
+        load_draft(ckpt)
+
+
+def test_mixed_dtypes_need_a_cast(ckpt):
+    rewrite_weights(ckpt, lambda s: s.update({"norm.weight": s["norm.weight"].to(torch.bfloat16)}))
+    with raises_with(CheckpointError, "mixes weight dtypes", "torch.bfloat16", "torch.float32", "load it with a dtype"):
+        load_draft(ckpt, dtype=None)
+    assert load_draft(ckpt, dtype=torch.float32).norm.weight.dtype == torch.float32
 
 
 def test_wrong_architecture_version(ckpt):

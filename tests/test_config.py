@@ -374,8 +374,25 @@ def test_target_spec_rejects_missing_key():
         TargetSpec.from_hf_config(raw)
 
 
-def test_missing_anchor_group_size_means_one():
-    """DLite's training code writes students without anchor_group_size (queries = anchor + masks)."""
+def test_missing_anchor_group_size_is_an_error_that_says_what_to_add():
     raw = official_raw()
     del raw["dlite_config"]["anchor_group_size"]
-    assert DraftConfig.from_dict(raw).anchor_group_size == 1
+    with pytest.raises(ConfigError, match='"anchor_group_size": 1'):
+        DraftConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize(("key", "value"), [("hidden_act", "gelu"), ("model_type", "llama"),
+                                            ("architectures", ["Qwen3ForCausalLM"])])
+def test_from_dict_rejects_a_draft_that_is_not_a_qwen3_dlite_model(key, value):
+    raw = official_raw()
+    raw[key] = value
+    with pytest.raises(ConfigError, match=f"{key} is"):
+        DraftConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("value", ["0,1,3", [0, "1", 3], None])
+def test_from_dict_rejects_target_layer_ids_that_are_not_a_list_of_ints(value):
+    raw = official_raw()
+    raw["dlite_config"]["target_layer_ids"] = value
+    with pytest.raises(ConfigError, match="target_layer_ids must be a list of ints"):
+        DraftConfig.from_dict(raw)

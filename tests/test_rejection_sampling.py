@@ -34,15 +34,16 @@ def test_same_seed_same_output_different_seed_different_output():
 
 
 @torch.no_grad()
-def _exact_target_distributions(hf):
-    """p(x1), p(x2 | x1), p(x3 | x1, x2) of the target alone at temperature T."""
+def _exact_target_distributions(hf, prompt):
+    """p(x1, x2) and p(x3) of the target alone at temperature T, by enumeration."""
     def next_probs(seqs):
         return torch.softmax(hf(torch.tensor(seqs)).logits[:, -1].double() / T, -1)
 
-    p1 = next_probs([PROMPT])[0]  # [V]
-    p2 = next_probs([PROMPT + [a] for a in range(V)])  # [V, V]
-    p3 = next_probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
-    return p1, p2, p3
+    p1 = next_probs([prompt])[0]  # [V]
+    p2 = next_probs([prompt + [a] for a in range(V)])  # [V, V]: p(x2 | x1)
+    p3 = next_probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+    joint12 = p1[:, None] * p2
+    return joint12, (joint12[:, :, None] * p3).sum((0, 1))
 
 
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -59,24 +60,25 @@ def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def test_first_tokens_follow_the_target_distribution():
+    """A batch mixing two prompt lengths; x3 comes from the first or the second speculative step."""
     hf, spec, draft = _setup()
     gen = generator(hf, spec, draft)
-    p1, p2, p3 = _exact_target_distributions(hf)
-    joint12 = p1[:, None] * p2  # [V, V]
-    marg3 = (joint12[:, :, None] * p3).sum((0, 1))  # [V]
-    c12 = torch.zeros(V, V)
-    c3 = torch.zeros(V)
-    first_draft = torch.zeros(V, V)  # (x1, d_1) pairs: what the draft alone proposes
+    prompts = [PROMPT, PROMPT[:2]]
+    exact = [_exact_target_distributions(hf, p) for p in prompts]
+    c12 = torch.zeros(2, V, V)
+    c3 = torch.zeros(2, V)
+    first_draft = torch.zeros(2, V, V)  # (x1, d_1) pairs: what the draft alone proposes
     accepted = []
     for seed in range(8):
-        res = gen.generate([PROMPT] * 2500, SamplingParams(max_new_tokens=3, temperature=T, seed=seed))
+        res = gen.generate(prompts * 1250, SamplingParams(max_new_tokens=3, temperature=T, seed=seed))
         for row, out in enumerate(res.output_ids):
-            c12[out[0], out[1]] += 1
-            c3[out[2]] += 1
-            first_draft[out[0], res.steps[0].draft_tokens[row][0]] += 1
+            c12[row % 2, out[0], out[1]] += 1
+            c3[row % 2, out[2]] += 1
+            first_draft[row % 2, out[0], res.steps[0].draft_tokens[row][0]] += 1
         accepted += [n for n in res.steps[0].accepted if n is not None]
     assert 0 < sum(a > 0 for a in accepted) < len(accepted)  # both acceptances and rejections happened
-    assert _chi_square_p(c12, joint12) > 1e-3
-    assert _chi_square_p(c3, marg3) > 1e-3
-    # The test has power: the draft's own proposals (before correction) are clearly rejected.
-    assert _chi_square_p(first_draft, joint12) < 1e-6
+    for i, (joint12, marg3) in enumerate(exact):
+        assert _chi_square_p(c12[i], joint12) > 1e-3
+        assert _chi_square_p(c3[i], marg3) > 1e-3
+        # The test has power: the draft's own proposals (before correction) are clearly rejected.
+        assert _chi_square_p(first_draft[i], joint12) < 1e-6

@@ -14,7 +14,14 @@ from safetensors.torch import load_file, save_file
 from dlite_trt.config import TargetSpec
 from dlite_trt.errors import CheckpointError, ConfigError, TargetNotFoundError
 from dlite_trt.presets import PRESETS
-from dlite_trt.targets import TargetSource, build_hf_model, read_target_spec, resolve_target
+from dlite_trt.targets import (
+    TargetSource,
+    build_hf_model,
+    load_tokenizer,
+    read_target_spec,
+    resolve_target,
+    stop_token_ids,
+)
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # 40 hex digits, like a real snapshot
 
@@ -267,3 +274,21 @@ def test_build_hf_model_missing_weights_file(target_copy):
     (target_copy / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="cannot load the target weights"):
         build_hf_model(resolve_target(target_copy), torch.float32)
+
+
+def test_config_json_that_is_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="must hold a JSON object"):
+        read_target_spec(tmp_path)
+
+
+def test_stop_tokens_are_the_union_of_config_generation_config_and_tokenizer(target_copy):
+    source = resolve_target(target_copy)
+    tok = load_tokenizer(source)
+    from_config = set(source.spec.stop_token_ids)
+    assert tok.eos_token_id in from_config
+    (target_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
+    got = stop_token_ids(source, tok)
+    assert set(got) == from_config | {3, 4} and len(got) == len(set(got))
+    (target_copy / "generation_config.json").unlink()
+    assert set(stop_token_ids(source, None)) == from_config

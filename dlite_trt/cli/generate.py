@@ -49,6 +49,7 @@ def command(target: str, draft: Path, prompt: str | None, input_ids: str | None,
 
     from dlite_trt.loading import load_pair
     from dlite_trt.runtime.reference import SamplingParams
+    from dlite_trt.targets import stop_token_ids
 
     hf_logging.disable_progress_bar()  # this command prints its own summary
 
@@ -66,7 +67,7 @@ def command(target: str, draft: Path, prompt: str | None, input_ids: str | None,
             ids = tok.encode(prompt, add_special_tokens=False)
     elif chat:
         raise click.UsageError("--chat needs --prompt (a text to wrap in the chat template)")
-    stops = () if ignore_eos else pair.source.spec.stop_token_ids
+    stops = () if ignore_eos else stop_token_ids(pair.source, tok)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stops)
     start = time.perf_counter()
     result = pair.generator.generate([ids], params)

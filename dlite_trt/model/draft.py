@@ -37,7 +37,7 @@ class DraftAttention(nn.Module):
         k = self.k_norm(self.k_proj(kv_in).view(b, kv_in.shape[1], -1, d)).transpose(1, 2)
         v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, d).transpose(1, 2)
         q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos_k, sin_k)
-        return self.o_proj(attention(q, k, v, allowed, d ** -0.5))
+        return self.o_proj(attention(q, (k,), (v,), allowed, d ** -0.5))
 
 
 class DraftLayer(nn.Module):
@@ -63,26 +63,32 @@ class DLiteDraft(nn.Module):
         self.layer_depth_embedding = nn.Embedding(cfg.num_target_layers, cfg.hidden_size)
         self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sequential_head = SequentialHead(cfg.vocab_size, cfg.sequential_rank, cfg.hidden_size)
-        self.register_buffer("target_layer_ids", torch.tensor(cfg.target_layer_ids), persistent=False)
 
     def backbone(
         self,
         chs: torch.Tensor,  # [B, S, H] target hidden states at the pivot (anchor_pos - 1)
         group_ids: torch.Tensor,  # [B, G] int64 tokens ending with the anchor, left-padded
-        group_len: torch.Tensor,  # [B] int64 G' = valid tokens at the right of group_ids (>= 1)
+        group_len: torch.Tensor,  # [B] int64 G' = min(G, anchor_pos + 1) valid tokens at the right
         embed_weight: torch.Tensor,  # [V, H] the target's embed_tokens weight
     ) -> torch.Tensor:
         """The parallel backbone: returns draft_hidden [B, K, H]."""
         cfg = self.cfg
-        b, s, hsz = chs.shape
-        g = group_ids.shape[1]
-        if s != cfg.chs_num_layers or hsz != cfg.hidden_size:
-            raise ValueError(f"chs must be [B, {cfg.chs_num_layers}, {cfg.hidden_size}], got {tuple(chs.shape)}")
-        if group_ids.ndim != 2 or g != cfg.anchor_group_size:
-            raise ValueError(f"group_ids must be [B, G={cfg.anchor_group_size}] (left-padded), "
+        s, hsz = cfg.chs_num_layers, cfg.hidden_size
+        if chs.ndim != 3 or tuple(chs.shape[1:]) != (s, hsz):
+            raise ValueError(f"chs must be [B, {s}, {hsz}], got {tuple(chs.shape)}")
+        b, g = chs.shape[0], group_ids.shape[-1]
+        if group_ids.ndim != 2 or g != cfg.anchor_group_size or group_ids.shape[0] != b:
+            raise ValueError(f"group_ids must be [B={b}, G={cfg.anchor_group_size}] (left-padded), "
                              f"got {tuple(group_ids.shape)}")
+        if group_len.shape != (b,) or group_ids.dtype != torch.long or group_len.dtype != torch.long:
+            raise ValueError(f"group_ids/group_len must be int64 [B, G] / [B], got {group_ids.dtype} "
+                             f"{tuple(group_ids.shape)} / {group_len.dtype} {tuple(group_len.shape)}")
+        if embed_weight.ndim != 2 or embed_weight.shape[1] != hsz or embed_weight.dtype != chs.dtype:
+            raise ValueError(f"embed_weight must be the target's [V, {hsz}] {chs.dtype} embedding, got "
+                             f"{embed_weight.dtype} {tuple(embed_weight.shape)}")
         k_props = cfg.num_proposals
-        ctx = self.context_norm(chs + self.layer_depth_embedding(self.target_layer_ids))  # [B, S, H]
+        depth = self.layer_depth_embedding.weight[list(cfg.target_layer_ids)]  # [S, H]
+        ctx = self.context_norm(chs + depth)  # [B, S, H]
         mask_row = embed_weight[cfg.mask_token_id]  # [H]
         x = torch.cat([
             nn.functional.embedding(group_ids, embed_weight),  # [B, G, H]

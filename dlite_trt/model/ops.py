@@ -7,6 +7,8 @@ eagerly and traces into ONNX.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,21 +63,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-              scale: float) -> torch.Tensor:
-    """Grouped-query attention with an explicit boolean mask.
+def attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+              allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention over key/value chunks with an explicit boolean mask.
 
-    q [B, nH, T, D]; k, v [B, kvH, L, D]; allowed [B, T, L] (True = may attend).
-    Returns [B, T, nH * D]. Each query row must allow at least one key.
+    q [B, nH, T, D]; keys[i], values[i] [B, kvH, L_i, D] (e.g. a KV cache view and the new
+    block: they are never concatenated, so no cache-sized copy is made); allowed [B, T, sum L_i]
+    (True = may attend). Returns [B, T, nH * D]. Each query row must allow at least one key.
     """
     b, n_heads, t, d = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = keys[0].shape[1]
     groups = n_heads // kv_heads
     qg = q.reshape(b, kv_heads, groups * t, d)  # heads of one kv group stacked along T
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, kvH, g*T, L]
-    scores = scores.reshape(b, kv_heads, groups, t, -1)
-    mask = allowed[:, None, None, :, :]
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).reshape(b, kv_heads, groups * t, -1)
-    out = torch.matmul(probs, v).reshape(b, n_heads, t, d)  # [B, nH, T, D]
-    return out.transpose(1, 2).reshape(b, t, n_heads * d)
+    scores = torch.cat([torch.matmul(qg, k.transpose(-1, -2)) for k in keys], dim=-1).float() * scale
+    scores = scores.reshape(b, kv_heads, groups, t, -1)  # [B, kvH, g, T, L]
+    scores = scores.masked_fill(~allowed[:, None, None, :, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(values[0].dtype).reshape(b, kv_heads, groups * t, -1)
+    out, start = None, 0
+    for v in values:
+        part = torch.matmul(probs[..., start : start + v.shape[2]], v)
+        out = part if out is None else out + part
+        start += v.shape[2]
+    return out.reshape(b, n_heads, t, d).transpose(1, 2).reshape(b, t, n_heads * d)

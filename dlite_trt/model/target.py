@@ -52,11 +52,18 @@ class TargetAdapter(nn.Module):
         past_len: torch.Tensor,  # [B] int64, valid cache entries per sequence
         output_index: torch.Tensor,  # [B, R] int64, indices into T where logits/hidden are wanted
     ) -> TargetOutput:
+        spec = self.spec
         if input_ids.ndim != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must be [B, T]; got {tuple(input_ids.shape)}, "
                              f"{tuple(positions.shape)}")
-        spec = self.spec
         b, t = input_ids.shape
+        cache_shape = (spec.num_hidden_layers, b, spec.num_key_value_heads, spec.head_dim)
+        if past_k.ndim != 5 or (*past_k.shape[:3], past_k.shape[4]) != cache_shape or past_v.shape != past_k.shape:
+            raise ValueError(f"past_k/past_v must be [L, B, kvH, P, D] with (L, B, kvH, D) = {cache_shape}; "
+                             f"got {tuple(past_k.shape)}, {tuple(past_v.shape)}")
+        if past_len.shape != (b,) or output_index.ndim != 2 or output_index.shape[0] != b:
+            raise ValueError(f"past_len must be [B] and output_index [B, R] for B={b}; got "
+                             f"{tuple(past_len.shape)}, {tuple(output_index.shape)}")
         p = past_k.shape[3]
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, x.dtype)
@@ -77,9 +84,7 @@ class TargetAdapter(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             new_k.append(k)
             new_v.append(v)
-            keys = torch.cat([past_k[i], k], dim=2)
-            values = torch.cat([past_v[i], v], dim=2)
-            x = x + attn.o_proj(attention(q, keys, values, allowed, scale))
+            x = x + attn.o_proj(attention(q, (past_k[i], k), (past_v[i], v), allowed, scale))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.layer_ids and i != n_layers - 1:
                 selected[i] = torch.gather(x, 1, gather)

@@ -17,7 +17,8 @@ import torch
 
 from dlite_trt.errors import DLiteError
 from dlite_trt.model.draft import DLiteDraft
-from dlite_trt.model.target import TargetAdapter
+from dlite_trt.model.sequential_head import HeadOutput
+from dlite_trt.model.target import TargetAdapter, TargetOutput
 from dlite_trt.runtime.kv_cache import KVCache
 from dlite_trt.runtime.sampling import (
     greedy_accept,
@@ -37,7 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
             raise DLiteError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}.")
         if not self.temperature >= 0.0:
             raise DLiteError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}.")
@@ -154,6 +155,8 @@ class Session:
             chs = out.hidden[:, 0]  # [B, S, H]
         emitted = tuple(self._emit(row, [int(anchor[row])], params) for row in range(b))
         yield StepEvent(emitted, None)
+        # Finished rows stay in the batch (their results are ignored): the reference keeps the
+        # batch static, as an engine with a fixed batch would; dropping rows is a scheduler's job.
         while any(self._active):
             with timer.time("draft"):
                 proposal = self._draft(chs, params.temperature, uniforms(b, k_props))
@@ -173,7 +176,9 @@ class Session:
                 drafts, accepted, emitted = [], [], []
                 for row in range(b):
                     if not self._active[row]:
-                        drafts.append(None), accepted.append(None), emitted.append(())
+                        drafts.append(None)
+                        accepted.append(None)
+                        emitted.append(())
                         continue
                     n_row = int(n[row])
                     drafts.append(tuple(proposal.tokens[row].tolist()))
@@ -200,7 +205,7 @@ class Session:
         self.cache_len[row] = min(self.cache_len[row], len(self.tokens[row]) - 1)
         return tuple(kept)
 
-    def _run_suffix(self):
+    def _run_suffix(self) -> TargetOutput:
         """Target over each sequence's uncached tokens (right-padded to a batch)."""
         suffixes = [t[c:] for t, c in zip(self.tokens, self.cache_len, strict=True)]
         width = max(map(len, suffixes))
@@ -212,7 +217,8 @@ class Session:
         self.cache_len = [len(t) for t in self.tokens]
         return out
 
-    def _run_target(self, ids: torch.Tensor, start: list[int], count: list[int], output_index: torch.Tensor):
+    def _run_target(self, ids: torch.Tensor, start: list[int], count: list[int],
+                    output_index: torch.Tensor) -> TargetOutput:
         """One target forward at positions start[b].. on top of the cache; stores count[b] new entries."""
         b, t = ids.shape
         start_t = torch.tensor(start, device=self.device)
@@ -222,7 +228,7 @@ class Session:
         self.cache.write(out.new_k, out.new_v, start, count)
         return out
 
-    def _draft(self, chs: torch.Tensor, temperature: float, u: torch.Tensor | None):
+    def _draft(self, chs: torch.Tensor, temperature: float, u: torch.Tensor | None) -> HeadOutput:
         """Draft one block per sequence from the pivot states and the token group ending at the anchor."""
         g = self.gen.draft.cfg.anchor_group_size
         group = torch.zeros(self.batch_size, g, dtype=torch.long)
