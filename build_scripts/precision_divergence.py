@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""Where greedy output stops being identical in reduced precision (DESIGN 1.3).
+
+In fp32, greedy speculative decoding equals target-only greedy decoding token for token (the
+tests check it). In fp16/bf16, block verification and one-token decoding round differently,
+so they may diverge; this prints, per dtype and prompt, the first index where (a) speculative
+output differs from target-only greedy in the same dtype, and (b) either differs from fp32.
+Prompts are the openings of held-out standard-library files. One JSON object on stdout.
+
+    python build_scripts/precision_divergence.py --target models/tiny/target --draft models/tiny/draft
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@click.command()
+@click.option("--target", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--draft", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompts", default=4, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-tokens", default=96, show_default=True, type=click.IntRange(min=1))
+@click.option("--new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+def main(target: Path, draft: Path, prompts: int, prompt_tokens: int, new_tokens: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dlite_trt.loading import DTYPES, load_pair
+    from dlite_trt.runtime.reference import SamplingParams
+    from dlite_trt.tiny_models import stdlib_files
+
+    params = SamplingParams(max_new_tokens=new_tokens)
+    report: dict[str, object] = {"new_tokens": new_tokens, "dtypes": {}}
+    fp32_ref: list[list[int]] = []
+    for name in ("fp32", "bf16", "fp16"):
+        pair = load_pair(target, draft, dtype=name)
+        if pair.tokenizer is None:
+            raise click.ClickException(f"{target} has no tokenizer; this script tokenizes held-out files")
+        texts = [f.read_text(errors="replace") for f in stdlib_files("held_out")[:prompts]]
+        ids = [pair.tokenizer.encode(t, add_special_tokens=False)[:prompt_tokens] for t in texts]
+        hf = AutoModelForCausalLM.from_pretrained(target, dtype=DTYPES[name]).eval()
+        rows = []
+        for row, prompt in enumerate(ids):
+            spec_out = pair.generator.generate([prompt], params).output_ids[0]
+            with torch.no_grad():
+                x = torch.tensor([prompt])
+                ar = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, min_new_tokens=new_tokens, max_new_tokens=new_tokens)
+            ar = ar[0, len(prompt):].tolist()
+            if name == "fp32":
+                fp32_ref.append(ar)
+            rows.append({"speculative_vs_target_only": first_divergence(spec_out, ar),
+                         "target_only_vs_fp32": first_divergence(ar, fp32_ref[row]),
+                         "speculative_vs_fp32": first_divergence(spec_out, fp32_ref[row])})
+        report["dtypes"][name] = rows
+    click.echo(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
