@@ -21,6 +21,7 @@ ARCHITECTURE_VERSION = "dlite_v1"
 MODEL_ROLE = "pivot_q_student"
 SEQUENTIAL_HEADS = ("rnn",)
 DRAFT_ARCHITECTURE = "DLiteDraftModel"
+SILU_NAMES = ("silu", "swish")  # transformers maps both to SiLU
 
 
 def select_target_layer_ids(num_target_layers: int, chs_num_layers: int) -> tuple[int, ...]:
@@ -54,13 +55,24 @@ def _rope_theta(raw: Mapping[str, Any], where: str) -> float:
     theta = raw.get("rope_theta", params.get("rope_theta"))
     if theta is None:
         raise ConfigError(f"{where}: no rope_theta (neither top-level nor in rope_parameters).")
-    return float(theta)
+    return _num({"rope_theta": theta}, "rope_theta", where, float)
 
 
 def _require(raw: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
     missing = [k for k in keys if k not in raw]
     if missing:
         raise ConfigError(f"{where} is missing required keys {missing}; is this the right file?")
+
+
+def _num(raw: Mapping[str, Any], key: str, where: str, kind: type = int, default: Any = None) -> Any:
+    """raw[key] as an int (or float); a missing or null key takes ``default`` when one is given."""
+    value = raw.get(key)
+    if value is None:
+        value = default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or (kind is int and value != int(value)):
+        raise ConfigError(f"{where}: {key} must be {'an integer' if kind is int else 'a number'}, got {value!r}.")
+    return kind(value)
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -111,26 +123,27 @@ class TargetSpec:
                 f"{where}: model_type is {raw.get('model_type')!r}; dlite-trt compiles Qwen3 "
                 "targets (model_type 'qwen3'). Pass a Qwen3 model directory."
             )
-        if raw.get("hidden_act", "silu") != "silu":
+        if raw.get("hidden_act", "silu") not in SILU_NAMES:
             raise ConfigError(f"{where}: hidden_act {raw.get('hidden_act')!r} is not supported (silu only).")
         if raw.get("use_sliding_window"):
             raise ConfigError(f"{where}: sliding-window attention is not supported; set use_sliding_window false.")
         _require(raw, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                        "intermediate_size"), where)
-        heads = int(raw["num_attention_heads"])
+        heads = _num(raw, "num_attention_heads", where)
+        hidden = _num(raw, "hidden_size", where)
         eos = raw.get("eos_token_id")
         return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            vocab_size=_num(raw, "vocab_size", where),
+            hidden_size=hidden,
+            num_hidden_layers=_num(raw, "num_hidden_layers", where),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            # transformers' Qwen3Config defaults head_dim to 128 (not hidden_size // heads)
-            head_dim=int(raw.get("head_dim", 128) or int(raw["hidden_size"]) // heads),
-            intermediate_size=int(raw["intermediate_size"]),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=_num(raw, "num_key_value_heads", where, default=heads),
+            # transformers' Qwen3Config: head_dim 128 when absent, hidden_size // heads when null
+            head_dim=_num(raw, "head_dim", where, default=hidden // heads) if "head_dim" in raw else 128,
+            intermediate_size=_num(raw, "intermediate_size", where),
+            rms_norm_eps=_num(raw, "rms_norm_eps", where, float, 1e-6),
             rope_theta=_rope_theta(raw, where),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            max_position_embeddings=_num(raw, "max_position_embeddings", where, default=40960),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
@@ -272,7 +285,8 @@ class DraftConfig:
                 '"anchor_group_size": 1 to dlite_config; otherwise add the G it was trained with.'
             )
         for key, value, want in (("model_type", raw.get("model_type", "qwen3"), "qwen3"),
-                                 ("hidden_act", raw.get("hidden_act", "silu"), "silu"),
+                                 ("hidden_act", "silu" if raw.get("hidden_act", "silu") in SILU_NAMES
+                                  else raw["hidden_act"], "silu"),
                                  ("architectures", raw.get("architectures", [DRAFT_ARCHITECTURE]),
                                   [DRAFT_ARCHITECTURE])):
             if value != want:
@@ -284,7 +298,7 @@ class DraftConfig:
         if not isinstance(layer_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                        for i in layer_ids):
             raise ConfigError(f"{where}: dlite_config.target_layer_ids must be a list of ints, got {layer_ids!r}.")
-        if int(dlite["chs_num_layers"]) != len(layer_ids):
+        if _num(dlite, "chs_num_layers", where) != len(layer_ids):
             raise ConfigError(
                 f"{where}: chs_num_layers={dlite['chs_num_layers']} but target_layer_ids has "
                 f"{len(dlite['target_layer_ids'])} entries; they must agree."
@@ -294,22 +308,21 @@ class DraftConfig:
         extra_dlite = {k: v for k, v in dlite.items() if k not in _DLITE_KEYS}
         if extra_dlite:
             extra["dlite_config"] = extra_dlite
-        heads = int(raw["num_attention_heads"])
         return cls(
-            hidden_size=int(raw["hidden_size"]),
-            vocab_size=int(raw["vocab_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw["num_key_value_heads"]),
-            head_dim=int(raw["head_dim"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_target_layers=int(raw["num_target_layers"]),
+            hidden_size=_num(raw, "hidden_size", where),
+            vocab_size=_num(raw, "vocab_size", where),
+            num_hidden_layers=_num(raw, "num_hidden_layers", where),
+            num_attention_heads=_num(raw, "num_attention_heads", where),
+            num_key_value_heads=_num(raw, "num_key_value_heads", where),
+            head_dim=_num(raw, "head_dim", where),
+            intermediate_size=_num(raw, "intermediate_size", where),
+            num_target_layers=_num(raw, "num_target_layers", where),
             target_layer_ids=tuple(dlite["target_layer_ids"]),
             mask_token_id=dlite["mask_token_id"],
             block_size=raw["block_size"],
             anchor_group_size=dlite["anchor_group_size"],
             sequential_rank=dlite["sequential_rank"],
-            rms_norm_eps=float(raw["rms_norm_eps"]),
+            rms_norm_eps=_num(raw, "rms_norm_eps", where, float),
             rope_theta=_rope_theta(raw, where),
             attention_bias=bool(raw["attention_bias"]),
             sequential_head=str(dlite["sequential_head"]).lower(),

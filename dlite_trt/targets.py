@@ -96,7 +96,7 @@ def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = 0) -> t
         # ignore_mismatched_sizes only moves shape mismatches into `info`, which is checked below.
         model, info = Qwen3ForCausalLM.from_pretrained(source.path, dtype=dtype, output_loading_info=True,
                                                        ignore_mismatched_sizes=True)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+    except (OSError, ValueError, TypeError, RuntimeError, SafetensorError) as exc:
         raise CheckpointError(
             f"cannot load the target weights from {source.path}: {exc}. The files are missing, truncated or corrupt."
         ) from exc
@@ -128,4 +128,8 @@ def stop_token_ids(source: TargetSource, tokenizer: Any | None) -> tuple[int, ..
         ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
-    return tuple(dict.fromkeys(int(i) for i in ids))
+    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+    if bad:
+        raise CheckpointError(f"end-of-sequence ids {bad} of target {source.name} are not token ids; "
+                              "fix eos_token_id in its config.json / generation_config.json.")
+    return tuple(dict.fromkeys(ids))

@@ -396,3 +396,13 @@ def test_from_dict_rejects_target_layer_ids_that_are_not_a_list_of_ints(value):
     raw["dlite_config"]["target_layer_ids"] = value
     with pytest.raises(ConfigError, match="target_layer_ids must be a list of ints"):
         DraftConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize(("key", "value"), [("head_dim", None), ("hidden_size", "abc"),
+                                            ("num_key_value_heads", None), ("rms_norm_eps", [1e-6]),
+                                            ("rope_theta", "big")])
+def test_from_dict_rejects_fields_of_the_wrong_type(key, value):
+    raw = official_raw()
+    raw[key] = value
+    with pytest.raises(ConfigError, match=f"{key} must be"):
+        DraftConfig.from_dict(raw)

@@ -83,3 +83,21 @@ def test_stream_yields_the_same_tokens_step_by_step():
     assert events[0].record is None and all(len(t) == 1 for t in events[0].new_tokens)  # prefill: the anchor
     streamed = [[t for e in events for t in e.new_tokens[r]] for r in range(2)]
     assert streamed == gen.generate(prompts, SamplingParams(max_new_tokens=NEW)).output_ids
+
+
+def test_target_only_decoding_equals_transformers_and_mixes_with_speculative_turns():
+    hf, spec = make_target(300, seed=5, num_hidden_layers=5, hidden_size=96)
+    cfg = draft_config(spec, block_size=4, anchor_group_size=2, chs_num_layers=4, sequential_rank=64)
+    gen = generator(hf, spec, random_draft(cfg))
+    prompts = _prompts(5, (3, 11), 300)
+    session = gen.session(prompts)
+    first = session.generate_target_only(SamplingParams(max_new_tokens=12))
+    assert first.output_ids == [hf_greedy(hf, p, 12) for p in prompts]
+    assert first.steps == [] and "decode" in first.timings
+    session.extend([[7, 8], [9]])
+    context = [list(t) for t in session.tokens]
+    second = session.generate(SamplingParams(max_new_tokens=10))
+    assert second.output_ids == [hf_greedy(hf, c, 10) for c in context]
+    context = [list(t) for t in session.tokens]
+    third = session.generate_target_only(SamplingParams(max_new_tokens=6))
+    assert third.output_ids == [hf_greedy(hf, c, 6) for c in context]

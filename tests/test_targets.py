@@ -292,3 +292,10 @@ def test_stop_tokens_are_the_union_of_config_generation_config_and_tokenizer(tar
     assert set(got) == from_config | {3, 4} and len(got) == len(set(got))
     (target_copy / "generation_config.json").unlink()
     assert set(stop_token_ids(source, None)) == from_config
+
+
+def test_stop_tokens_that_are_not_ids_are_an_error(target_copy):
+    source = resolve_target(target_copy)
+    (target_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(CheckpointError, match=r"end-of-sequence ids \['x'\]"):
+        stop_token_ids(source, None)

@@ -71,6 +71,9 @@ def attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[to
     block: they are never concatenated, so no cache-sized copy is made); allowed [B, T, sum L_i]
     (True = may attend). Returns [B, T, nH * D]. Each query row must allow at least one key.
     """
+    if len(keys) != len(values) or sum(k.shape[2] for k in keys) != allowed.shape[-1]:
+        raise ValueError(f"{len(keys)} key chunks, {len(values)} value chunks and a mask over "
+                         f"{allowed.shape[-1]} keys do not agree (key lengths {[k.shape[2] for k in keys]})")
     b, n_heads, t, d = q.shape
     kv_heads = keys[0].shape[1]
     groups = n_heads // kv_heads
@@ -79,9 +82,12 @@ def attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[to
     scores = scores.reshape(b, kv_heads, groups, t, -1)  # [B, kvH, g, T, L]
     scores = scores.masked_fill(~allowed[:, None, None, :, :], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).to(values[0].dtype).reshape(b, kv_heads, groups * t, -1)
-    out, start = None, 0
-    for v in values:
-        part = torch.matmul(probs[..., start : start + v.shape[2]], v)
-        out = part if out is None else out + part
-        start += v.shape[2]
+    if len(values) == 1:
+        out = torch.matmul(probs, values[0])
+    else:  # sum the chunks' partial outputs in fp32, round once
+        out, start = 0.0, 0
+        for v in values:
+            out = out + torch.matmul(probs[..., start : start + v.shape[2]], v).float()
+            start += v.shape[2]
+        out = out.to(values[0].dtype)
     return out.reshape(b, n_heads, t, d).transpose(1, 2).reshape(b, t, n_heads * d)

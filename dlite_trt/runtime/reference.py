@@ -114,9 +114,17 @@ class Session:
             self.tokens[row].extend(self._checked(ids, f"extension {row}"))
 
     def generate(self, params: SamplingParams) -> GenerationResult:
+        """Speculative decoding until every sequence stops; the tokens are added to the session."""
+        return self._collect(self.stream, params)
+
+    def generate_target_only(self, params: SamplingParams) -> GenerationResult:
+        """The target alone, one token per call (the baseline; the draft is not run)."""
+        return self._collect(self.stream_target_only, params)
+
+    def _collect(self, stream, params: SamplingParams) -> GenerationResult:
         result = GenerationResult(output_ids=[[] for _ in self.tokens])
         timer = StageTimer()
-        for event in self.stream(params, timer):
+        for event in stream(params, timer):
             for row, toks in enumerate(event.new_tokens):
                 result.output_ids[row].extend(toks)
             if event.record is not None:
@@ -125,30 +133,61 @@ class Session:
         result.stop_reasons = list(self._stop_reasons)
         return result
 
-    @torch.inference_mode()
-    def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
-        """Yield the tokens each engine call emits, per sequence, until every sequence stops."""
-        timer = timer or StageTimer()
+    def _start(self, params: SamplingParams, block: int):
+        """Reset per-generate progress, reserve KV room; returns the uniform-number source."""
         b = self.batch_size
-        k_props = self.gen.draft.cfg.num_proposals
         self._stop_reasons = ["max_new_tokens"] * b
         self._emitted = [0] * b
         self._active = [params.max_new_tokens > 0] * b
-        if params.max_new_tokens == 0:
-            return
         longest = max(map(len, self.tokens)) + params.max_new_tokens
         if longest > self.spec.max_position_embeddings:
             raise DLiteError(
                 f"a sequence would reach {longest} tokens, past the target's max_position_embeddings="
                 f"{self.spec.max_position_embeddings}; shorten the prompt or lower max_new_tokens."
             )
-        self.cache.ensure_capacity(longest + k_props + 1)
+        self.cache.ensure_capacity(longest + block)
         rng = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         sampling = not is_greedy(params.temperature)
 
         def uniforms(*shape: int) -> torch.Tensor | None:
             return torch.rand(*shape, generator=rng).to(self.device) if sampling else None
 
+        return uniforms
+
+    @torch.inference_mode()
+    def stream_target_only(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
+        """Yield each call's token per sequence, decoding with the target alone."""
+        timer = timer or StageTimer()
+        b = self.batch_size
+        uniforms = self._start(params, block=1)
+        if params.max_new_tokens == 0:
+            return
+        with timer.time("prefill"):
+            out = self._run_suffix()
+        while True:
+            token = sample_from_logits(out.logits[:, 0], params.temperature, uniforms(b))  # [B]
+            yield StepEvent(tuple(self._emit(row, [int(token[row])], params) if self._active[row] else ()
+                                  for row in range(b)), None)
+            if not any(self._active):
+                return
+            pos = [len(t) - 1 for t in self.tokens]
+            with timer.time("decode"):
+                out = self._run_target(token[:, None], pos, [int(a) for a in self._active],
+                                       torch.zeros(b, 1, dtype=torch.long, device=self.device))
+            for row in range(b):
+                if self._active[row]:
+                    self.cache_len[row] = pos[row] + 1
+
+    @torch.inference_mode()
+    def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
+        """Yield the tokens each engine call emits, per sequence, until every sequence stops."""
+        timer = timer or StageTimer()
+        b = self.batch_size
+        k_props = self.gen.draft.cfg.num_proposals
+        uniforms = self._start(params, block=k_props + 1)
+        if params.max_new_tokens == 0:
+            return
+        sampling = not is_greedy(params.temperature)
         with timer.time("prefill"):
             out = self._run_suffix()
             anchor = sample_from_logits(out.logits[:, 0], params.temperature, uniforms(b))  # [B]
