@@ -84,7 +84,7 @@ class Session:
                 raise DLiteError(f"prompt {row} is empty; every sequence needs at least one token.")
             self.tokens.append(self._checked(prompt, f"prompt {row}"))
         self.cache_len = [0] * len(prompts)  # KV entries valid per sequence
-        # per-generate progress, reset by stream()
+        # per-generate progress, reset by _start()
         self._emitted = [0] * len(prompts)
         self._active = [False] * len(prompts)
         self._stop_reasons = ["max_new_tokens"] * len(prompts)
