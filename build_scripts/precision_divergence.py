@@ -37,13 +37,15 @@ def main(target: Path, draft: Path, prompts: int, prompt_tokens: int, new_tokens
 
     params = SamplingParams(max_new_tokens=new_tokens)
     report: dict[str, object] = {"new_tokens": new_tokens, "dtypes": {}}
+    texts = [f.read_text(errors="replace") for f in stdlib_files("held_out")[:prompts]]
     fp32_ref: list[list[int]] = []
+    ids: list[list[int]] = []
     for name in ("fp32", "bf16", "fp16"):
         pair = load_pair(target, draft, dtype=name)
-        if pair.tokenizer is None:
-            raise click.ClickException(f"{target} has no tokenizer; this script tokenizes held-out files")
-        texts = [f.read_text(errors="replace") for f in stdlib_files("held_out")[:prompts]]
-        ids = [pair.tokenizer.encode(t, add_special_tokens=False)[:prompt_tokens] for t in texts]
+        if not ids:  # the tokenizer does not depend on the dtype: tokenize once
+            if pair.tokenizer is None:
+                raise click.ClickException(f"{target} has no tokenizer; this script tokenizes held-out files")
+            ids = [pair.tokenizer.encode(t, add_special_tokens=False)[:prompt_tokens] for t in texts]
         rows = []
         for row, prompt in enumerate(ids):
             spec_out = pair.generator.generate([prompt], params).output_ids[0]

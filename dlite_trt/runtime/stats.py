@@ -14,7 +14,6 @@ class StageTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
 
     @contextmanager
     def time(self, stage: str) -> Iterator[None]:
@@ -23,7 +22,6 @@ class StageTimer:
             yield
         finally:
             self.seconds[stage] += time.perf_counter() - start
-            self.calls[stage] += 1
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.seconds)
