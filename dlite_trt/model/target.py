@@ -11,6 +11,7 @@ id k is the output of decoder layer k, and id N-1 is taken after the final RMSNo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -47,8 +48,8 @@ class TargetAdapter(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, T] int64
         positions: torch.Tensor,  # [B, T] int64, absolute positions of the tokens
-        past_k: torch.Tensor,  # [L, B, kvH, P, D] cache view (entries >= past_len are ignored)
-        past_v: torch.Tensor,  # [L, B, kvH, P, D]
+        past_k: torch.Tensor | Sequence[torch.Tensor],  # [L, B, kvH, P, D], or L tensors [B, kvH, P, D];
+        past_v: torch.Tensor | Sequence[torch.Tensor],  # entries >= past_len are ignored
         past_len: torch.Tensor,  # [B] int64, valid cache entries per sequence
         output_index: torch.Tensor,  # [B, R] int64, indices into T where logits/hidden are wanted
     ) -> TargetOutput:
@@ -57,14 +58,11 @@ class TargetAdapter(nn.Module):
             raise ValueError(f"input_ids and positions must be [B, T]; got {tuple(input_ids.shape)}, "
                              f"{tuple(positions.shape)}")
         b, t = input_ids.shape
-        cache_shape = (spec.num_hidden_layers, b, spec.num_key_value_heads, spec.head_dim)
-        if past_k.ndim != 5 or (*past_k.shape[:3], past_k.shape[4]) != cache_shape or past_v.shape != past_k.shape:
-            raise ValueError(f"past_k/past_v must be [L, B, kvH, P, D] with (L, B, kvH, D) = {cache_shape}; "
-                             f"got {tuple(past_k.shape)}, {tuple(past_v.shape)}")
+        _check_cache(past_k, past_v, (spec.num_hidden_layers, b, spec.num_key_value_heads, spec.head_dim))
         if past_len.shape != (b,) or output_index.ndim != 2 or output_index.shape[0] != b:
             raise ValueError(f"past_len must be [B] and output_index [B, R] for B={b}; got "
                              f"{tuple(past_len.shape)}, {tuple(output_index.shape)}")
-        p = past_k.shape[3]
+        p = past_k[0].shape[2]
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, x.dtype)
         # Keys: P cached entries (valid below past_len) then the T new ones (causal).
@@ -95,3 +93,16 @@ class TargetAdapter(nn.Module):
         hidden = torch.stack([selected[i] for i in self.layer_ids], dim=2)  # [B, R, S, H]
         logits = self.lm_head(normed)  # [B, R, V]
         return TargetOutput(logits, hidden, torch.stack(new_k), torch.stack(new_v))
+
+
+def _check_cache(past_k, past_v, cache_shape: tuple[int, int, int, int]) -> None:
+    """past_k/past_v: one [L, B, kvH, P, D] tensor each, or L per-layer [B, kvH, P, D] tensors."""
+    layers, *row_shape = cache_shape
+    ok = len(past_k) == layers and len(past_v) == layers and all(
+        k.ndim == 4 and (*k.shape[:2], k.shape[3]) == tuple(row_shape) and v.shape == k.shape == past_k[0].shape
+        for k, v in zip(past_k, past_v, strict=True))
+    if not ok:
+        got = [tuple(t.shape) for t in (past_k, past_v)] if isinstance(past_k, torch.Tensor) else \
+            [f"{len(past_k)} x {tuple(past_k[0].shape) if len(past_k) else ()}"]
+        raise ValueError(f"past_k/past_v must be [L, B, kvH, P, D] (or L tensors [B, kvH, P, D]) with "
+                         f"(L, B, kvH, D) = {cache_shape}; got {got}")

@@ -11,8 +11,6 @@ acceptance length. The draft keeps no state, so ``extend`` costs it nothing.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-
 import torch
 
 from dlite_trt.errors import DLiteError
@@ -27,30 +25,8 @@ from dlite_trt.runtime.sampling import (
     rejection_accept,
     sample_from_logits,
 )
+from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent
 from dlite_trt.runtime.stats import GenerationResult, StageTimer, StepRecord
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
-            raise DLiteError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}.")
-        if not self.temperature >= 0.0:
-            raise DLiteError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}.")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """Tokens emitted by one engine call (the prefill, or one speculative step) per sequence."""
-
-    new_tokens: tuple[tuple[int, ...], ...]
-    record: StepRecord | None  # None for the prefill call
 
 
 class SpeculativeGenerator:
@@ -70,87 +46,33 @@ class SpeculativeGenerator:
         return self.session(prompts).generate(params)
 
 
-class Session:
-    """A live batch of sequences: generate, extend with new tokens, generate again."""
+class Session(SessionBase):
+    """A live batch of sequences on the reference generator."""
 
     def __init__(self, gen: SpeculativeGenerator, prompts: Sequence[Sequence[int]]) -> None:
-        if not prompts:
-            raise DLiteError("no prompts given; pass at least one sequence of token ids.")
+        super().__init__(prompts, gen.target.spec.vocab_size)
         self.gen = gen
         self.spec = gen.target.spec
-        self.tokens: list[list[int]] = []
-        for row, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise DLiteError(f"prompt {row} is empty; every sequence needs at least one token.")
-            self.tokens.append(self._checked(prompt, f"prompt {row}"))
-        self.cache_len = [0] * len(prompts)  # KV entries valid per sequence
-        # per-generate progress, reset by _start()
-        self._emitted = [0] * len(prompts)
-        self._active = [False] * len(prompts)
-        self._stop_reasons = ["max_new_tokens"] * len(prompts)
         param = next(gen.target.parameters())
         self.device, self.dtype = param.device, param.dtype
         spec = self.spec
         self.cache = KVCache(spec.num_hidden_layers, len(prompts), spec.num_key_value_heads, spec.head_dim,
                              capacity=max(map(len, self.tokens)) + 64, dtype=self.dtype, device=self.device)
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.tokens)
-
-    def _checked(self, ids: Sequence[int], what: str) -> list[int]:
-        ids = [int(t) for t in ids]
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise DLiteError(f"{what} has token ids outside the target vocabulary [0, {self.spec.vocab_size}): "
-                             f"{bad[:5]}; tokenize with the target's tokenizer.")
-        return ids
-
-    def extend(self, new_tokens: Sequence[Sequence[int]]) -> None:
-        """Append tokens (a user turn, a tool result) to each sequence; earlier turns are not recomputed."""
-        if len(new_tokens) != self.batch_size:
-            raise DLiteError(f"extend got {len(new_tokens)} sequences for a batch of {self.batch_size}.")
-        for row, ids in enumerate(new_tokens):
-            self.tokens[row].extend(self._checked(ids, f"extension {row}"))
-
-    def generate(self, params: SamplingParams) -> GenerationResult:
-        """Speculative decoding until every sequence stops; the tokens are added to the session."""
-        return self._collect(self.stream, params)
-
-    def generate_target_only(self, params: SamplingParams) -> GenerationResult:
-        """The target alone, one token per call (the baseline; the draft is not run)."""
-        return self._collect(self.stream_target_only, params)
-
-    def _collect(self, stream, params: SamplingParams) -> GenerationResult:
-        result = GenerationResult(output_ids=[[] for _ in self.tokens])
-        timer = StageTimer()
-        for event in stream(params, timer):
-            for row, toks in enumerate(event.new_tokens):
-                result.output_ids[row].extend(toks)
-            if event.record is not None:
-                result.steps.append(event.record)
-        result.timings = timer.as_dict()
-        result.stop_reasons = list(self._stop_reasons)
-        return result
-
-    def _start(self, params: SamplingParams, block: int):
-        """Reset per-generate progress, reserve KV room; returns the uniform-number source."""
-        b = self.batch_size
-        self._stop_reasons = ["max_new_tokens"] * b
-        self._emitted = [0] * b
-        self._active = [params.max_new_tokens > 0] * b
-        longest = max(map(len, self.tokens)) + params.max_new_tokens
+    def _check_length(self, longest: int) -> None:
         if longest > self.spec.max_position_embeddings:
             raise DLiteError(
                 f"a sequence would reach {longest} tokens, past the target's max_position_embeddings="
                 f"{self.spec.max_position_embeddings}; shorten the prompt or lower max_new_tokens."
             )
-        self.cache.ensure_capacity(longest + block)
-        rng = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        sampling = not is_greedy(params.temperature)
+        self.cache.ensure_capacity(longest + self.gen.draft.cfg.block_size)
+
+    def _uniforms(self, params: SamplingParams):
+        host = self._start(params)
 
         def uniforms(*shape: int) -> torch.Tensor | None:
-            return torch.rand(*shape, generator=rng).to(self.device) if sampling else None
+            u = host(*shape)
+            return None if u is None else u.to(self.device)
 
         return uniforms
 
@@ -159,7 +81,7 @@ class Session:
         """Yield each call's token per sequence, decoding with the target alone."""
         timer = timer or StageTimer()
         b = self.batch_size
-        uniforms = self._start(params, block=1)
+        uniforms = self._uniforms(params)
         if params.max_new_tokens == 0:
             return
         with timer.time("prefill"):
@@ -184,7 +106,7 @@ class Session:
         timer = timer or StageTimer()
         b = self.batch_size
         k_props = self.gen.draft.cfg.num_proposals
-        uniforms = self._start(params, block=k_props + 1)
+        uniforms = self._uniforms(params)
         if params.max_new_tokens == 0:
             return
         sampling = not is_greedy(params.temperature)
@@ -225,24 +147,6 @@ class Session:
                     self.cache_len[row] = anchor_pos[row] + n_row + 1  # anchor, d_1..d_n are now cached
                     emitted.append(self._emit(row, proposal.tokens[row, :n_row].tolist() + [int(anchor[row])], params))
             yield StepEvent(tuple(emitted), StepRecord(tuple(drafts), tuple(accepted)))
-
-    def _emit(self, row: int, new: list[int], params: SamplingParams) -> tuple[int, ...]:
-        """Append accepted tokens to a sequence, cut at a stop token or max_new_tokens."""
-        kept = []
-        for tok in new:
-            kept.append(tok)
-            self._emitted[row] += 1
-            if tok in params.stop_token_ids:
-                self._active[row], self._stop_reasons[row] = False, "stop_token"
-                break
-            if self._emitted[row] >= params.max_new_tokens:
-                self._active[row] = False
-                break
-        self.tokens[row].extend(kept)
-        # Cached entries past the kept tokens (accepted after a cut) are invalid; the last
-        # token always stays uncached so the next generate has a suffix to start from.
-        self.cache_len[row] = min(self.cache_len[row], len(self.tokens[row]) - 1)
-        return tuple(kept)
 
     def _run_suffix(self) -> TargetOutput:
         """Target over each sequence's uncached tokens (right-padded to a batch)."""

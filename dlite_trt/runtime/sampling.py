@@ -32,13 +32,48 @@ def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[-1] - 1)
 
 
-def sample_from_logits(logits: torch.Tensor, temperature: float, u: torch.Tensor | None) -> torch.Tensor:
-    """argmax when greedy, else a sample from softmax(logits / T) with uniforms u [...]."""
+def sample_from_logits(logits: torch.Tensor, temperature: float | torch.Tensor,
+                       u: torch.Tensor | None) -> torch.Tensor:
+    """argmax when greedy, else a sample from softmax(logits / T) with uniforms u [...].
+
+    ``temperature`` is a float for the whole batch, or a tensor [B] (one per sequence, as the
+    engine graphs take it): rows at or below GREEDY_EPS take the argmax, the others sample.
+    """
+    if isinstance(temperature, torch.Tensor):
+        return _choose_per_row(logits, temperature, u)
     if is_greedy(temperature):
         return logits.argmax(dim=-1)
     if u is None:
         raise ValueError("sampling with temperature > 0 needs uniform random numbers")
     return sample_categorical(probs_from_logits(logits, temperature), u)
+
+
+def row_temperature(temperature: torch.Tensor, ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """temperature [B] -> (greedy, safe T), both shaped [B, 1, ...] to broadcast over ``ndim`` dims.
+
+    Greedy rows get T = 1 so that the (unused) sampled branch stays finite.
+    """
+    t = temperature.float().reshape(temperature.shape + (1,) * (ndim - 1))
+    greedy = t <= GREEDY_EPS
+    return greedy, torch.where(greedy, torch.ones_like(t), t)
+
+
+def _choose_per_row(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+    if u is None:
+        raise ValueError("per-sequence temperatures need uniform random numbers (unused by greedy rows)")
+    greedy, safe_t = row_temperature(temperature, logits.ndim - 1)  # [B, 1..] over the token dims
+    sampled = sample_categorical(torch.softmax(logits.float() / safe_t.unsqueeze(-1), dim=-1), u)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """Number of leading True values per row: mask [B, K] bool -> [B] int64.
+
+    The running count equals index + 1 exactly along the leading run (CumSum + Equal,
+    which export to ONNX and TensorRT; cumprod does not).
+    """
+    ones_so_far = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.long().cumsum(dim=1) == ones_so_far).long().sum(dim=1)
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +84,7 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     anchor [B] = posterior[n].
     """
     posterior = target_logits.argmax(dim=-1)  # [B, K+1]
-    matches = (draft_tokens == posterior[:, :-1]).long()  # [B, K]
-    n = matches.cumprod(dim=1).sum(dim=1)  # [B]
+    n = leading_true(draft_tokens == posterior[:, :-1])  # [B]
     next_token = posterior.gather(1, n[:, None]).squeeze(1)
     return n, next_token
 
@@ -71,7 +105,7 @@ def rejection_accept(
     p_tok = target_probs[:, :k].gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
     q_tok = draft_probs.gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
     accept = u_accept * q_tok < p_tok  # u < p/q without dividing by q
-    n = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+    n = leading_true(accept)  # [B]
     p_n = target_probs.gather(1, n[:, None, None].expand(b, 1, target_probs.shape[-1])).squeeze(1)  # [B, V]
     q_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # q_K := 0
     q_n = q_padded.gather(1, n[:, None, None].expand(b, 1, q_padded.shape[-1])).squeeze(1)

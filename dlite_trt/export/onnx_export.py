@@ -1,0 +1,73 @@
+"""Export one engine graph to ONNX (torch.onnx.export, TorchScript exporter) and lower it.
+
+Names, dynamic axes and the trace inputs come from the graph's contract. The trace shapes are
+deliberately odd (batch 2, chunk 3, cache 7) so that parity tests at other shapes prove the
+dims are really dynamic. Weights go to one external data file next to the graph, so targets
+above protobuf's 2 GB limit export.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from dlite_trt.export.contract import GraphSpec, dummy_inputs
+from dlite_trt.export.graphs import graph_module
+from dlite_trt.export.recurrence import (
+    DOMAIN,
+    OP_VERSION,
+    OPSET,
+    lower_for_onnxruntime,
+    lower_for_tensorrt,
+    recurrence_function,
+)
+from dlite_trt.model.draft import DLiteDraft
+from dlite_trt.model.target import TargetAdapter
+
+LOWERINGS = ("onnxruntime", "tensorrt")
+TRACE_SIZES = {"batch": 2, "chunk": 3, "outputs": 2, "cache": 7}
+
+
+def trace_inputs(graph: GraphSpec, vocab_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    feeds = dummy_inputs(graph, {d.name: TRACE_SIZES[d.name] for d in graph.dims}, vocab_size=vocab_size,
+                         rng=np.random.default_rng(0))
+    return tuple(torch.from_numpy(a).to(dtype) if a.dtype.kind == "f" and not t.dtype == "float32" else
+                 torch.from_numpy(a) for a, t in zip(feeds.values(), graph.inputs, strict=True))
+
+
+def export_graph(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft, path: Path, *,
+                 lowering: str = "onnxruntime") -> Path:
+    """Write ``path`` (+ ``path.data`` with the weights); returns ``path``."""
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
+    module = graph_module(graph, target, draft)
+    dtype = target.embed_weight.dtype
+    args = trace_inputs(graph, target.spec.vocab_size, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        raw = Path(tmp) / "graph.onnx"
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # TracerWarnings of the boundary shape checks
+            torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=OPSET,
+                              input_names=graph.input_names, output_names=graph.output_names,
+                              dynamic_axes=graph.dynamic_axes(),
+                              custom_opsets={DOMAIN: OP_VERSION} if module.uses_draft else None,
+                              do_constant_folding=True)
+        model = onnx.load(str(raw), load_external_data=False)
+        if not module.uses_draft:
+            pass
+        elif lowering == "onnxruntime":
+            head = draft.sequential_head
+            body = recurrence_function(head, draft.cfg.num_proposals, draft.cfg.anchor_group_size > 1, dtype)
+            lower_for_onnxruntime(model, body)
+        else:
+            lower_for_tensorrt(model)
+        onnx.load_external_data_for_model(model, tmp)
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024)
+    return path

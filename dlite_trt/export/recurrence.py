@@ -1,0 +1,152 @@
+"""The ``LowRankRecurrence`` node: the draft's K-step sequential head as ONE graph node.
+
+Its identity (domain, op name, version) and the TensorRT plugin's name, namespace and version
+are defined here once; the TensorRT plugin (plugins/lowrank_recurrence) imports them.
+
+Node contract (inputs in this order, outputs, attributes):
+    draft_hidden [B, K, H] float   the backbone's output
+    anchor       [B] int64         prev token of step 1
+    seed_prev    [B] int64         token before the anchor (read only when seeded = 1)
+    temperature  [B] float32       <= 1e-5: argmax, else inverse-CDF sample of softmax(logits / T)
+    uniforms     [B, K] float32    one uniform in [0, 1) per step
+    prev_token_embedding [V, r], state_proj_weight [2r, 2r], state_proj_bias [2r],
+    state_hidden_mlp_weight [r, r + H], state_hidden_mlp_bias [r], output_proj_weight [V, r]
+  -> tokens [B, K] int64, logits [B, K, V] float32
+    attributes: num_steps = K, seeded = 1 when G > 1
+
+Two lowerings, chosen after export:
+- ONNX Runtime: the model carries an ONNX function of that name whose body is the reference
+  ``recurrence`` exported with standard ops (K steps unrolled); ORT inlines it.
+- TensorRT: a plain node in the default domain with ``plugin_namespace``/``plugin_version``
+  attributes, which TensorRT's ONNX parser maps to the registered plugin of that name.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from dlite_trt.model.sequential_head import HeadOutput, HeadWeights, SequentialHead, recurrence
+
+DOMAIN = "dlite"
+OP_NAME = "LowRankRecurrence"
+OP_VERSION = 1
+PLUGIN_NAME = OP_NAME
+PLUGIN_NAMESPACE = DOMAIN
+PLUGIN_VERSION = "1"
+OPSET = 18  # the standard-op opset of every engine graph and of the function body
+
+INPUT_NAMES = ("draft_hidden", "anchor", "seed_prev", "temperature", "uniforms", *HeadWeights._fields)
+OUTPUT_NAMES = ("tokens", "logits")
+ATTRIBUTES = ("num_steps", "seeded")
+
+
+class _RecurrenceOp(torch.autograd.Function):
+    """Runs the reference recurrence; exports as one ``dlite::LowRankRecurrence`` node."""
+
+    @staticmethod
+    def forward(ctx, draft_hidden, anchor, seed_prev, temperature, uniforms, seeded, *weights):
+        out = recurrence(HeadWeights(*weights), draft_hidden, anchor, seed_prev if seeded else None,
+                         temperature, uniforms)
+        return out.tokens, out.logits.float()
+
+    @staticmethod
+    def symbolic(g, draft_hidden, anchor, seed_prev, temperature, uniforms, seeded, *weights):
+        num_steps, vocab = _RecurrenceOp.static_sizes
+        tokens, logits = g.op(f"{DOMAIN}::{OP_NAME}", draft_hidden, anchor, seed_prev, temperature, uniforms,
+                              *weights, num_steps_i=num_steps, seeded_i=int(seeded), outputs=2)
+        tensor_type = torch._C.TensorType.get()
+        tokens.setType(tensor_type.with_dtype(torch.int64).with_sizes([None, num_steps]))
+        logits.setType(tensor_type.with_dtype(torch.float32).with_sizes([None, num_steps, vocab]))
+        return tokens, logits
+
+    static_sizes: tuple[int, int] = (0, 0)  # (K, V), set by low_rank_recurrence while tracing
+
+
+def low_rank_recurrence(head: SequentialHead, draft_hidden: torch.Tensor, anchor: torch.Tensor,
+                        seed_prev: torch.Tensor | None, temperature: torch.Tensor,
+                        uniforms: torch.Tensor) -> HeadOutput:
+    """The head's K steps; one custom node when traced for ONNX export, the reference otherwise."""
+    if not torch.onnx.is_in_onnx_export():
+        out = head(draft_hidden, anchor, seed_prev, temperature, uniforms)
+        return HeadOutput(out.tokens, out.logits.float())
+    seeded = seed_prev is not None
+    _RecurrenceOp.static_sizes = (draft_hidden.shape[1], head.output_proj.weight.shape[0])
+    tokens, logits = _RecurrenceOp.apply(draft_hidden, anchor, seed_prev if seeded else anchor, temperature,
+                                         uniforms, seeded, *head.weights())
+    return HeadOutput(tokens, logits)
+
+
+class _Body(nn.Module):
+    """The node's semantics with weights as inputs, exported to become the function body."""
+
+    def __init__(self, seeded: bool) -> None:
+        super().__init__()
+        self.seeded = seeded
+
+    def forward(self, draft_hidden, anchor, seed_prev, temperature, uniforms, *weights):
+        out = recurrence(HeadWeights(*weights), draft_hidden, anchor, seed_prev if self.seeded else None,
+                         temperature, uniforms)
+        return out.tokens, out.logits.float()
+
+
+def recurrence_function(head: SequentialHead, num_steps: int, seeded: bool, dtype: torch.dtype) -> onnx.FunctionProto:
+    """An ONNX function ``dlite.LowRankRecurrence`` whose body is the reference recurrence.
+
+    The body is exported from ``recurrence`` itself (batch dynamic, K unrolled), so the
+    ONNX Runtime lowering cannot drift from the reference.
+    """
+    b = 2
+    args = (
+        torch.zeros(b, num_steps, head.hidden_size, dtype=dtype),
+        torch.zeros(b, dtype=torch.long),
+        torch.zeros(b, dtype=torch.long),
+        torch.zeros(b, dtype=torch.float32),
+        torch.zeros(b, num_steps, dtype=torch.float32),
+        *(w.detach() for w in head.weights()),
+    )
+    dynamic = {name: {0: "batch"} for name in INPUT_NAMES[:5]} | {name: {0: "batch"} for name in OUTPUT_NAMES}
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarnings of the shape checks
+        path = Path(tmp) / "body.onnx"
+        torch.onnx.export(_Body(seeded), args, str(path), dynamo=False, opset_version=OPSET,
+                          input_names=list(INPUT_NAMES), output_names=list(OUTPUT_NAMES), dynamic_axes=dynamic,
+                          do_constant_folding=False)
+        graph = onnx.load(str(path)).graph
+    constants = [onnx.helper.make_node("Constant", [], [init.name], value=init, name=f"const/{init.name}")
+                 for init in graph.initializer]
+    return onnx.helper.make_function(
+        DOMAIN, OP_NAME, list(INPUT_NAMES), list(OUTPUT_NAMES), [*constants, *graph.node],
+        [onnx.helper.make_opsetid("", OPSET)], attributes=list(ATTRIBUTES))
+
+
+def recurrence_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == OP_NAME]
+
+
+def lower_for_onnxruntime(model: onnx.ModelProto, body: onnx.FunctionProto) -> None:
+    """Attach the standard-op body as a model-local function (in place)."""
+    if not recurrence_nodes(model):
+        raise ValueError(f"the graph has no {OP_NAME} node to lower")
+    del model.functions[:]
+    model.functions.append(body)
+
+
+def lower_for_tensorrt(model: onnx.ModelProto) -> None:
+    """Turn each recurrence node into a plugin node for TensorRT's ONNX parser (in place)."""
+    nodes = recurrence_nodes(model)
+    if not nodes:
+        raise ValueError(f"the graph has no {OP_NAME} node to lower")
+    for node in nodes:
+        node.domain = ""
+        node.attribute.extend([onnx.helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
+                               onnx.helper.make_attribute("plugin_version", PLUGIN_VERSION)])
+    del model.functions[:]
+    keep = [op for op in model.opset_import if op.domain != DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(keep)

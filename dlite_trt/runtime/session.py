@@ -1,0 +1,145 @@
+"""What every backend's session shares: the sequences, emission with stop tokens, results.
+
+A session holds a batch of sequences (prompt + everything generated or appended so far) and
+how much of each is in its backend's KV cache. Backends (the PyTorch reference, the ONNX
+Runtime engine, later TensorRT) implement ``stream`` (speculative) and ``stream_target_only``
+(the target alone), each yielding a ``StepEvent`` per engine call; the bookkeeping of what a
+call emits, where a sequence stops and what stays cached lives here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dlite_trt.errors import DLiteError
+from dlite_trt.runtime.sampling import is_greedy
+from dlite_trt.runtime.stats import GenerationResult, StageTimer, StepRecord
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
+            raise DLiteError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}.")
+        if not self.temperature >= 0.0:
+            raise DLiteError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}.")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Tokens emitted by one engine call (the prefill, or one speculative step) per sequence."""
+
+    new_tokens: tuple[tuple[int, ...], ...]
+    record: StepRecord | None  # None for the prefill call
+
+
+Uniforms = Callable[..., torch.Tensor | None]  # uniforms(*shape): float32 in [0, 1), or None when greedy
+
+
+class SessionBase:
+    """A live batch of sequences: generate, extend with new tokens, generate again."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
+        if not prompts:
+            raise DLiteError("no prompts given; pass at least one sequence of token ids.")
+        self.vocab_size = vocab_size
+        self.tokens: list[list[int]] = []
+        for row, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise DLiteError(f"prompt {row} is empty; every sequence needs at least one token.")
+            self.tokens.append(self._checked(prompt, f"prompt {row}"))
+        self.cache_len = [0] * len(prompts)  # KV entries valid per sequence
+        # per-generate progress, reset by _start()
+        self._emitted = [0] * len(prompts)
+        self._active = [False] * len(prompts)
+        self._stop_reasons = ["max_new_tokens"] * len(prompts)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tokens)
+
+    def _checked(self, ids: Sequence[int], what: str) -> list[int]:
+        ids = [int(t) for t in ids]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise DLiteError(f"{what} has token ids outside the target vocabulary [0, {self.vocab_size}): "
+                             f"{bad[:5]}; tokenize with the target's tokenizer.")
+        return ids
+
+    def extend(self, new_tokens: Sequence[Sequence[int]]) -> None:
+        """Append tokens (a user turn, a tool result) to each sequence; earlier turns are not recomputed."""
+        if len(new_tokens) != self.batch_size:
+            raise DLiteError(f"extend got {len(new_tokens)} sequences for a batch of {self.batch_size}.")
+        for row, ids in enumerate(new_tokens):
+            self.tokens[row].extend(self._checked(ids, f"extension {row}"))
+
+    def generate(self, params: SamplingParams) -> GenerationResult:
+        """Speculative decoding until every sequence stops; the tokens are added to the session."""
+        return self._collect(self.stream, params)
+
+    def generate_target_only(self, params: SamplingParams) -> GenerationResult:
+        """The target alone, one token per call (the baseline; the draft is not run)."""
+        return self._collect(self.stream_target_only, params)
+
+    def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
+        raise NotImplementedError
+
+    def stream_target_only(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
+        raise NotImplementedError
+
+    def _collect(self, stream, params: SamplingParams) -> GenerationResult:
+        result = GenerationResult(output_ids=[[] for _ in self.tokens])
+        timer = StageTimer()
+        for event in stream(params, timer):
+            for row, toks in enumerate(event.new_tokens):
+                result.output_ids[row].extend(toks)
+            if event.record is not None:
+                result.steps.append(event.record)
+        result.timings = timer.as_dict()
+        result.stop_reasons = list(self._stop_reasons)
+        return result
+
+    def _check_length(self, longest: int) -> None:
+        """Raise when a sequence would grow past what the backend supports."""
+
+    def _start(self, params: SamplingParams) -> Uniforms:
+        """Reset per-generate progress and check lengths; returns the uniform-number source."""
+        b = self.batch_size
+        self._stop_reasons = ["max_new_tokens"] * b
+        self._emitted = [0] * b
+        self._active = [params.max_new_tokens > 0] * b
+        self._check_length(max(map(len, self.tokens)) + params.max_new_tokens)
+        rng = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        sampling = not is_greedy(params.temperature)
+
+        def uniforms(*shape: int) -> torch.Tensor | None:
+            return torch.rand(*shape, generator=rng) if sampling else None
+
+        return uniforms
+
+    def _emit(self, row: int, new: list[int], params: SamplingParams) -> tuple[int, ...]:
+        """Append accepted tokens to a sequence, cut at a stop token or max_new_tokens."""
+        kept = []
+        for tok in new:
+            kept.append(tok)
+            self._emitted[row] += 1
+            if tok in params.stop_token_ids:
+                self._active[row], self._stop_reasons[row] = False, "stop_token"
+                break
+            if self._emitted[row] >= params.max_new_tokens:
+                self._active[row] = False
+                break
+        self.tokens[row].extend(kept)
+        # Cached entries past the kept tokens (accepted after a cut) are invalid; the last
+        # token always stays uncached so the next generate has a suffix to start from.
+        self.cache_len[row] = min(self.cache_len[row], len(self.tokens[row]) - 1)
+        return tuple(kept)
