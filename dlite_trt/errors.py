@@ -21,3 +21,7 @@ class IncompatibleDraftError(DLiteError):
 
 class TargetNotFoundError(DLiteError):
     """A --target value names neither a directory nor a cached or random preset."""
+
+
+class EngineError(DLiteError):
+    """An engine directory is missing, corrupt, stale, or does not fit the request."""

@@ -140,6 +140,14 @@ class EngineLimits:
         return {"max_batch": self.max_batch, "max_seq_len": self.max_seq_len, "max_chunk": self.max_chunk}
 
 
+def kv_input(name: str) -> tuple[str, int] | None:
+    """("key" | "value", layer) for a KV cache input name (``past_key.3``), else None."""
+    for kind in ("key", "value"):
+        if name.startswith(f"past_{kind}."):
+            return kind, int(name.rsplit(".", 1)[1])
+    return None
+
+
 def cache_capacity_max(limits: EngineLimits, block_size: int) -> int:
     """KV slots a sequence can need: every token plus the block verified past the last one."""
     return limits.max_seq_len + block_size

@@ -1,0 +1,156 @@
+"""``dlite-trt build``: target + draft -> an engine directory.
+
+Layout of an engine directory (backend onnxruntime):
+    manifest.json                 build settings, versions, I/O contract, hashes (engine/manifest.py)
+    onnx/{prefill,step,decode}.onnx (+ .onnx.data)   the exported graphs (ORT lowering)
+    onnxruntime/{...}.onnx (+ .onnx.data)            the same, optimized by ONNX Runtime
+    target/                       the target's config, generation config and tokenizer (no weights)
+    draft/config.json             the draft's config
+The directory is built next to ``out`` and moved into place when complete, so a failed build
+never leaves a half-written engine or destroys the previous one.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from dlite_trt.engine.manifest import (
+    MANIFEST,
+    Manifest,
+    checkpoint_sha256,
+    file_records,
+    random_target_id,
+    write_manifest,
+)
+from dlite_trt.errors import ConfigError, EngineError
+from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, engine_contract
+
+BACKENDS = ("onnxruntime",)
+BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16")}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
+RANDOM_SEED = 0  # build_hf_model's default seed for --random-weights targets
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    backend: str = "onnxruntime"
+    dtype: str = "fp32"
+    limits: EngineLimits = EngineLimits()
+    random_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype not in BACKEND_DTYPES[self.backend]:
+            raise ConfigError(f"the {self.backend} backend builds {BACKEND_DTYPES[self.backend]}, not {self.dtype!r}")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for pkg in ("dlite-trt", "torch", "transformers", "onnx", "onnxruntime", "numpy"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = "not installed"
+    return versions
+
+
+def optimize_for_onnxruntime(src: Path, dst: Path) -> None:
+    """Let ONNX Runtime optimize a graph (function inlined, fusions applied) and save the result."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # portable across CPUs
+    so.optimized_model_filepath = str(dst)
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", dst.name + ".data")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+
+
+def _copy_configs(src: Path | None, dst: Path) -> None:
+    """Config, generation config and tokenizer files of a model directory (never weights)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    if src is None:
+        return
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json") \
+                and f.stat().st_size <= 64 << 20:
+            shutil.copy2(f, dst / f.name)
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
+        raise EngineError(f"--out {out} exists and is not an engine directory; refusing to overwrite it. "
+                          "Pass a new or empty directory.")
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Move the finished build into place, replacing a previous engine only once the new one is complete."""
+    backup = None
+    if out.exists():
+        backup = out.with_name(f".{out.name}.old-{int(time.time())}")
+        out.rename(backup)
+    tmp.rename(out)
+    if backup is not None:
+        shutil.rmtree(backup)
+
+
+def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSettings = BuildSettings(), *,
+                 progress: bool = True) -> Manifest:
+    """Export the engine graphs for ``target`` + ``draft``, optimize them, write ``out``."""
+    from dlite_trt.engine.progress import stages
+    from dlite_trt.export.onnx_export import export_graph
+    from dlite_trt.loading import load_pair
+    from dlite_trt.targets import stop_token_ids
+
+    started = time.perf_counter()
+    out = Path(out)
+    _prepare_out(out)
+    limits = settings.limits
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with stages(progress, total=2 + 2 * len(GRAPH_NAMES)) as advance:
+        advance("loading target and draft")
+        pair = load_pair(target, Path(draft), dtype=settings.dtype, random_weights=settings.random_weights)
+        spec, cfg = pair.source.spec, pair.generator.draft.cfg
+        if limits.max_seq_len > spec.max_position_embeddings:
+            raise ConfigError(f"--max-seq-len {limits.max_seq_len} is past the target's max_position_embeddings="
+                              f"{spec.max_position_embeddings}; lower it.")
+        contract = engine_contract(spec, cfg, limits, settings.dtype)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        try:
+            graphs = {}
+            for name in GRAPH_NAMES:
+                advance(f"exporting the {name} graph")
+                onnx_rel, ort_rel = f"onnx/{name}.onnx", f"onnxruntime/{name}.onnx"
+                export_graph(contract[name], pair.generator.target, pair.generator.draft, tmp / onnx_rel)
+                advance(f"optimizing the {name} graph for ONNX Runtime")
+                (tmp / ort_rel).parent.mkdir(exist_ok=True)
+                optimize_for_onnxruntime(tmp / onnx_rel, tmp / ort_rel)
+                graphs[name] = {"onnx": onnx_rel, "runtime": ort_rel}
+            advance("hashing weights and files")
+            _copy_configs(pair.source.path, tmp / "target")
+            (tmp / "draft").mkdir()
+            shutil.copy2(Path(draft) / "config.json", tmp / "draft" / "config.json")
+            manifest = Manifest(
+                backend=settings.backend, dtype=settings.dtype, limits=limits, target_name=pair.source.name,
+                target_spec=spec,
+                target_sha256=(random_target_id(pair.source.name, RANDOM_SEED) if pair.source.is_random
+                               else checkpoint_sha256(pair.source.path)),
+                draft_config=cfg, draft_sha256=checkpoint_sha256(Path(draft)),
+                stop_token_ids=stop_token_ids(pair.source, pair.tokenizer), graphs=graphs, contract=contract,
+                files=file_records(tmp, [str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()]),
+                versions=package_versions(),
+                build={"seconds": round(time.perf_counter() - started, 2), "random_weights": settings.random_weights,
+                       "target": str(target), "draft": str(draft), "machine": platform.machine()})
+            write_manifest(tmp, manifest)
+            _install(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return manifest

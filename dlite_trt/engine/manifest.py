@@ -1,0 +1,187 @@
+"""``manifest.json``: what an engine directory holds and what it was built from.
+
+The manifest makes an engine self-describing (DESIGN 2): build settings, package versions,
+the I/O contract of every graph, block size, dtype, limits, the sha256 of the target and
+draft weights, and the size and sha256 of every file in the directory. ``load_manifest``
+refuses engines that are incomplete, corrupt, or written by an incompatible dlite-trt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlite_trt import __version__
+from dlite_trt.config import DraftConfig, TargetSpec
+from dlite_trt.errors import DLiteError, EngineError
+from dlite_trt.export.contract import EngineLimits, GraphSpec
+
+MANIFEST = "manifest.json"
+FORMAT = "dlite-trt-engine"
+FORMAT_VERSION = 1  # bump when the graph I/O or directory layout changes incompatibly
+HASH_AT_LOAD_MAX_BYTES = 64 << 20  # files up to this size are hashed on every load; larger ones on verify
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weights_sha256(files: Iterable[Path]) -> str:
+    """One digest over a checkpoint's weight files (names and contents, in name order)."""
+    digest = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.name):
+        digest.update(path.name.encode() + b"\0" + sha256_file(path).encode())
+    return digest.hexdigest()
+
+
+def checkpoint_sha256(directory: Path) -> str:
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"{directory} holds no *.safetensors weights to hash.")
+    return weights_sha256(files)
+
+
+def random_target_id(name: str, seed: int) -> str:
+    """The identity recorded for a --random-weights target (its weights are seeded)."""
+    return f"random-weights:{name}:seed={seed}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    backend: str
+    dtype: str
+    limits: EngineLimits
+    target_name: str
+    target_spec: TargetSpec
+    target_sha256: str
+    draft_config: DraftConfig
+    draft_sha256: str
+    stop_token_ids: tuple[int, ...]
+    graphs: dict[str, dict[str, str]]  # graph -> {"onnx": relpath, "runtime": relpath}
+    contract: dict[str, GraphSpec]
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relpath -> {"bytes", "sha256"}
+    versions: dict[str, str] = field(default_factory=dict)
+    build: dict[str, Any] = field(default_factory=dict)
+    dlite_trt_version: str = __version__
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def block_size(self) -> int:
+        return self.draft_config.block_size
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "dlite_trt_version": self.dlite_trt_version,
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "limits": self.limits.to_dict(),
+            "block_size": self.block_size,
+            "target": {"name": self.target_name, "config": self.target_spec.to_hf_config(),
+                       "sha256": self.target_sha256},
+            "draft": {"config": self.draft_config.to_dict(), "sha256": self.draft_sha256},
+            "stop_token_ids": list(self.stop_token_ids),
+            "graphs": self.graphs,
+            "contract": {name: g.to_dict() for name, g in self.contract.items()},
+            "files": self.files,
+            "versions": self.versions,
+            "build": self.build,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping, where: str) -> Manifest:
+        try:
+            if data.get("format") != FORMAT:
+                raise EngineError(f"{where} is not a dlite-trt engine manifest (format={data.get('format')!r}).")
+            version = data.get("format_version")
+            if version != FORMAT_VERSION:
+                raise EngineError(
+                    f"{where} was written by dlite-trt {data.get('dlite_trt_version', '?')} in engine format "
+                    f"{version}; this dlite-trt {__version__} reads format {FORMAT_VERSION}. Rebuild the engine "
+                    "with `dlite-trt build`.")
+            return cls(
+                backend=data["backend"], dtype=data["dtype"], limits=EngineLimits(**data["limits"]),
+                target_name=data["target"]["name"],
+                target_spec=TargetSpec.from_hf_config(data["target"]["config"], where=f"{where} target"),
+                target_sha256=data["target"]["sha256"],
+                draft_config=DraftConfig.from_dict(data["draft"]["config"], where=f"{where} draft"),
+                draft_sha256=data["draft"]["sha256"],
+                stop_token_ids=tuple(data["stop_token_ids"]), graphs=dict(data["graphs"]),
+                contract={name: GraphSpec.from_dict(name, g) for name, g in data["contract"].items()},
+                files=dict(data["files"]), versions=dict(data["versions"]), build=dict(data["build"]),
+                dlite_trt_version=data["dlite_trt_version"], format_version=version)
+        except EngineError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            detail = exc if not isinstance(exc, DLiteError) else str(exc)
+            raise EngineError(f"{where} is incomplete or corrupt ({detail!r}); rebuild the engine.") from exc
+
+
+def write_manifest(engine_dir: Path, manifest: Manifest) -> Path:
+    path = engine_dir / MANIFEST
+    path.write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
+    return path
+
+
+def file_records(engine_dir: Path, relpaths: Iterable[str]) -> dict[str, dict[str, Any]]:
+    return {rel: {"bytes": (engine_dir / rel).stat().st_size, "sha256": sha256_file(engine_dir / rel)}
+            for rel in sorted(relpaths)}
+
+
+def load_manifest(engine_dir: Path, *, verify: bool = False) -> Manifest:
+    """Read and check an engine directory's manifest and files.
+
+    Every listed file must exist with its recorded size; files up to 64 MiB (graphs, configs,
+    tokenizer) are also hashed, and with ``verify=True`` every file is.
+    """
+    engine_dir = Path(engine_dir)
+    path = engine_dir / MANIFEST
+    if not engine_dir.is_dir():
+        raise EngineError(f"engine directory {engine_dir} does not exist; build one with `dlite-trt build`.")
+    if not path.is_file():
+        raise EngineError(f"{engine_dir} has no {MANIFEST}: it is not an engine directory or its build did not "
+                          "finish. Rebuild it with `dlite-trt build`.")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EngineError(f"{path} is not valid JSON ({exc}); the engine is corrupt. Rebuild it.") from exc
+    if not isinstance(data, dict):
+        raise EngineError(f"{path} must hold a JSON object; the engine is corrupt. Rebuild it.")
+    manifest = Manifest.from_dict(data, str(path))
+    for rel, record in manifest.files.items():
+        file = engine_dir / rel
+        if not file.is_file():
+            raise EngineError(f"engine file {file} is missing; the engine directory is incomplete. Rebuild it.")
+        size = file.stat().st_size
+        if size != record["bytes"]:
+            raise EngineError(f"engine file {file} has {size} bytes, the manifest records {record['bytes']}: it is "
+                              "truncated or was replaced. Rebuild the engine.")
+        if (verify or size <= HASH_AT_LOAD_MAX_BYTES) and sha256_file(file) != record["sha256"]:
+            raise EngineError(f"engine file {file} does not match its sha256 in the manifest: it is corrupt or "
+                              "was modified. Rebuild the engine.")
+    return manifest
+
+
+def check_sources(manifest: Manifest, *, target_sha256: str | None, draft_sha256: str | None,
+                  where: str) -> None:
+    """Refuse to pair an engine with a target or draft other than the ones it was built from."""
+    for what, given, built in (("target", target_sha256, manifest.target_sha256),
+                               ("draft", draft_sha256, manifest.draft_sha256)):
+        if given is not None and given != built:
+            raise EngineError(
+                f"the engine {where} was built from a different {what} (sha256 {built[:16]}..., "
+                f"given {given[:16]}...); rebuild it with `dlite-trt build` for this {what}, or drop --{what}.")
+
+
+def summary(manifest: Manifest) -> dict[str, Any]:
+    return {"backend": manifest.backend, "dtype": manifest.dtype, **asdict(manifest.limits),
+            "block_size": manifest.block_size, "target": manifest.target_name}

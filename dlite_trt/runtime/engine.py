@@ -1,0 +1,211 @@
+"""The engine generator: speculative decoding where each step is ONE engine call.
+
+``EngineGenerator`` drives an engine directory's graphs through a runner (ONNX Runtime now,
+TensorRT later) with the same API and behaviour as the reference ``SpeculativeGenerator``:
+``session(prompts)`` -> ``extend`` / ``generate`` / ``stream`` / ``generate_target_only``.
+Per step the host binds the previous call's outputs as inputs (block, group prefix, draft
+logits), stores the accepted KV entries, and emits the accepted tokens; everything else
+(verify, accept, pivot gather, draft) happens inside the step graph.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlite_trt.engine.manifest import Manifest
+from dlite_trt.errors import EngineError
+from dlite_trt.export.contract import cache_capacity_max
+from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent, Uniforms
+from dlite_trt.runtime.stats import GenerationResult, StageTimer, StepRecord
+
+CAPACITY_ROUND = 128  # KV slots are reserved in multiples of this
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    ids: np.ndarray  # [B, T] int64, right-padded
+    chunk_len: np.ndarray  # [B] valid tokens (1 for rows with nothing in this call)
+    past_len: np.ndarray  # [B] position of ids[:, 0]
+    count: list[int]  # [B] entries to store (0 for rows with nothing in this call)
+
+
+class EngineGenerator:
+    def __init__(self, runner: Any, manifest: Manifest) -> None:
+        self.runner = runner
+        self.manifest = manifest
+        self.cfg = manifest.draft_config
+        self.spec = manifest.target_spec
+
+    def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:
+        return EngineSession(self, prompts)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
+        return self.session(prompts).generate(params)
+
+
+class EngineSession(SessionBase):
+    """A live batch on an engine. One session at a time per runner (it owns the runner's cache)."""
+
+    def __init__(self, gen: EngineGenerator, prompts: Sequence[Sequence[int]]) -> None:
+        super().__init__(prompts, gen.spec.vocab_size)
+        limits = gen.manifest.limits
+        if self.batch_size > limits.max_batch:
+            raise EngineError(f"{self.batch_size} sequences in one batch, but the engine was built with "
+                              f"--max-batch {limits.max_batch}; split the batch or rebuild with a larger --max-batch.")
+        self.gen = gen
+        self.runner = gen.runner
+        self.runner.release_cache()  # a fresh cache for this session
+        self.k = gen.cfg.num_proposals
+        self.g = gen.cfg.anchor_group_size
+
+    def _check_length(self, longest: int) -> None:
+        limit = self.gen.manifest.limits.max_seq_len
+        if longest > limit:
+            raise EngineError(f"a sequence would reach {longest} tokens (prompt + max_new_tokens), past the engine's "
+                              f"--max-seq-len {limit}; shorten the prompt, lower max_new_tokens, or rebuild the engine "
+                              "with a larger --max-seq-len.")
+        cap = min(math.ceil((longest + self.gen.cfg.block_size) / CAPACITY_ROUND) * CAPACITY_ROUND,
+                  cache_capacity_max(self.gen.manifest.limits, self.gen.cfg.block_size))
+        self.runner.reserve(self.batch_size, cap)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _host_uniforms(self, params: SamplingParams):
+        draw: Uniforms = self._start(params)
+
+        def uniforms(*shape: int) -> np.ndarray:
+            u = draw(*shape)
+            return np.zeros(shape, np.float32) if u is None else u.numpy()
+
+        return uniforms
+
+    def _chunks(self) -> Iterator[_Chunk]:
+        """The uncached suffixes in calls of at most max_chunk tokens, aligned so every row ends in the last call."""
+        size = self.gen.manifest.limits.max_chunk
+        suffixes = [t[c:] for t, c in zip(self.tokens, self.cache_len, strict=True)]
+        calls = math.ceil(max(map(len, suffixes)) / size)
+        for j in range(calls):
+            pieces, starts = [], []
+            for s in suffixes:
+                end = len(s) - (calls - 1 - j) * size
+                start = max(0, end - size)
+                pieces.append(s[start:end] if end > 0 else [])
+                starts.append(start)
+            ids = np.zeros((self.batch_size, max(1, *map(len, pieces))), np.int64)
+            for row, piece in enumerate(pieces):
+                ids[row, : len(piece)] = piece
+            yield _Chunk(ids, np.array([max(1, len(p)) for p in pieces], np.int64),
+                         np.array([c + st for c, st in zip(self.cache_len, starts, strict=True)], np.int64),
+                         [len(p) for p in pieces])
+
+    def _group_prefix(self) -> np.ndarray:
+        """[B, G-1]: the last G-1 tokens of each sequence (those before the anchor), left-padded with 0."""
+        prefix = np.zeros((self.batch_size, self.g - 1), np.int64)
+        for row, toks in enumerate(self.tokens):
+            tail = toks[-(self.g - 1):]
+            prefix[row, self.g - 1 - len(tail):] = tail
+        return prefix
+
+    def _prefill(self, graph: str, feeds: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for chunk in self._chunks():
+            call = {"input_ids": chunk.ids, "past_len": chunk.past_len, **feeds}
+            if graph == "prefill":
+                call["chunk_len"] = chunk.chunk_len
+            else:
+                call["output_index"] = (chunk.chunk_len - 1)[:, None]
+            out = self.runner.infer(graph, call)
+            self.runner.store_kv(chunk.past_len.tolist(), chunk.count)
+        self.cache_len = [len(t) for t in self.tokens]
+        return out
+
+    # -- decoding --------------------------------------------------------------------------------
+    def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
+        """Yield the tokens each engine call emits, per sequence, until every sequence stops."""
+        timer = timer or StageTimer()
+        b, k = self.batch_size, self.k
+        uniforms = self._host_uniforms(params)
+        if params.max_new_tokens == 0:
+            return
+        temperature = np.full(b, params.temperature, np.float32)
+        prefix = self._group_prefix() if self.g > 1 else None
+        with timer.time("prefill"):
+            feeds = {"temperature": temperature, "u_anchor": uniforms(b), "u_draft": uniforms(b, k)}
+            if prefix is not None:
+                feeds["group_prefix"] = prefix
+            out = self._prefill("prefill", feeds)
+        block, draft_logits = out["next_block"], out["next_draft_logits"]
+        yield StepEvent(tuple(self._emit(row, [int(block[row, 0])], params) for row in range(b)), None)
+        engine_before = self.runner.engine_seconds
+        while any(self._active):
+            with timer.time("step"):
+                past_len = np.array(self.cache_len, np.int64)  # = anchor position of every active row
+                feeds = {"block": block, "past_len": past_len, "draft_logits": draft_logits,
+                         "temperature": temperature, "u_accept": uniforms(b, k), "u_resample": uniforms(b),
+                         "u_draft": uniforms(b, k)}
+                if prefix is not None:
+                    feeds["group_prefix"] = prefix
+                out = self.runner.infer("step", feeds)
+                n = out["accepted"]
+                self.runner.store_kv(past_len.tolist(), [int(n[r]) + 1 if a else 0 for r, a in enumerate(self._active)])
+                drafts, accepted, emitted = [], [], []
+                for row in range(b):
+                    if not self._active[row]:
+                        drafts.append(None)
+                        accepted.append(None)
+                        emitted.append(())
+                        continue
+                    n_row = int(n[row])
+                    drafts.append(tuple(block[row, 1:].tolist()))
+                    accepted.append(n_row)
+                    self.cache_len[row] = int(past_len[row]) + n_row + 1
+                    emitted.append(self._emit(row, out["emitted"][row, : n_row + 1].tolist(), params))
+                block, draft_logits = out["next_block"], out["next_draft_logits"]
+                prefix = out.get("next_group_prefix", prefix)
+            yield StepEvent(tuple(emitted), StepRecord(tuple(drafts), tuple(accepted)))
+        timer.seconds["engine"] += self.runner.engine_seconds - engine_before
+
+    def stream_target_only(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
+        """Yield each call's token per sequence, decoding with the target alone (the decode graph)."""
+        timer = timer or StageTimer()
+        b = self.batch_size
+        uniforms = self._host_uniforms(params)
+        if params.max_new_tokens == 0:
+            return
+        temperature = np.full(b, params.temperature, np.float32)
+        with timer.time("prefill"):
+            out = self._prefill("decode", {"temperature": temperature, "uniforms": uniforms(b, 1)})
+        engine_before = self.runner.engine_seconds
+        while True:
+            token = out["next_tokens"][:, 0]  # [B]
+            yield StepEvent(tuple(self._emit(row, [int(token[row])], params) if self._active[row] else ()
+                                  for row in range(b)), None)
+            if not any(self._active):
+                break
+            with timer.time("decode"):
+                pos = np.array([len(t) - 1 for t in self.tokens], np.int64)
+                out = self.runner.infer("decode", {
+                    "input_ids": token[:, None].astype(np.int64), "past_len": pos,
+                    "output_index": np.zeros((b, 1), np.int64), "temperature": temperature,
+                    "uniforms": uniforms(b, 1)})
+                self.runner.store_kv(pos.tolist(), [int(a) for a in self._active])
+                for row in range(b):
+                    if self._active[row]:
+                        self.cache_len[row] = int(pos[row]) + 1
+        timer.seconds["engine"] += self.runner.engine_seconds - engine_before
+
+
+def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = False) -> EngineGenerator:
+    """Load and check an engine directory; returns a ready generator."""
+    from dlite_trt.engine.manifest import load_manifest
+    from dlite_trt.runtime.ort_runner import OrtRunner
+
+    manifest = load_manifest(Path(engine_dir), verify=verify)
+    if manifest.backend != "onnxruntime":
+        raise EngineError(f"{engine_dir} is a {manifest.backend} engine; this dlite-trt runs onnxruntime engines.")
+    return EngineGenerator(OrtRunner(Path(engine_dir), manifest, threads=threads).activate(), manifest)
