@@ -11,7 +11,7 @@ import torch
 from dlite_trt.checkpoint import load_draft
 from dlite_trt.model.target import TargetAdapter
 from dlite_trt.runtime.reference import SpeculativeGenerator
-from dlite_trt.targets import TargetSource, build_hf_model, load_tokenizer, resolve_target
+from dlite_trt.targets import TargetSource, build_hf_model, load_tokenizer, resolve_target, stop_token_ids
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -21,6 +21,14 @@ class LoadedPair:
     generator: SpeculativeGenerator
     tokenizer: Any | None
     source: TargetSource
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return stop_token_ids(self.source, self.tokenizer)
 
 
 def load_pair(target: str | Path, draft: Path, *, dtype: str = "fp32", random_weights: bool = False,

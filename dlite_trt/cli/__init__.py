@@ -11,6 +11,7 @@ from dlite_trt.errors import DLiteError
 
 # subcommand name -> (module under dlite_trt.cli, one-line help shown by --help without importing it)
 SUBCOMMANDS = {
+    "build": ("build", "Compile a Qwen3 target and a DLite draft into an engine directory."),
     "generate": ("generate", "Generate with a Qwen3 target and a DLite draft (speculative decoding)."),
 }
 

@@ -1,4 +1,4 @@
-"""`dlite-trt generate`: speculative decoding with the PyTorch reference generator."""
+"""`dlite-trt generate`: speculative decoding with an engine (--engine) or the PyTorch reference."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ def _parse_ids(value: str) -> list[int]:
 
 
 @click.command("generate")
-@click.option("--target", required=True, help="Qwen3 model directory or preset name (qwen3-8b, ...).")
-@click.option("--draft", required=True, type=click.Path(path_type=Path), help="dlite_v1 draft checkpoint directory.")
+@click.option("--engine", type=click.Path(path_type=Path, file_okay=False),
+              help="Engine directory from `dlite-trt build`. With --target/--draft, checks it was built from them.")
+@click.option("--target", help="Qwen3 model directory or preset name (qwen3-8b, ...).")
+@click.option("--draft", type=click.Path(path_type=Path), help="dlite_v1 draft checkpoint directory.")
 @click.option("--prompt", help="Prompt text (tokenized with the target's tokenizer).")
 @click.option("--input-ids", "input_ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=0))
@@ -33,31 +35,43 @@ def _parse_ids(value: str) -> list[int]:
 @click.option("--seed", type=int, help="Seed for sampling (same seed, same output).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the target's end-of-sequence tokens.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]),
+              help="Reference precision [default: fp32]; an engine runs in the dtype it was built with.")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", is_flag=True, help="Include each step's draft tokens and accepted count.")
-def command(target: str, draft: Path, prompt: str | None, input_ids: str | None, max_new_tokens: int,
-            temperature: float, seed: int | None, chat: bool, ignore_eos: bool, dtype: str,
+def command(engine: Path | None, target: str | None, draft: Path | None, prompt: str | None,
+            input_ids: str | None, max_new_tokens: int, temperature: float, seed: int | None, chat: bool, ignore_eos: bool, dtype: str | None,
             random_weights: bool, as_json: bool, trace: bool) -> None:
     """Generate with a Qwen3 target and a DLite draft (speculative decoding)."""
     if (prompt is None) == (input_ids is None):
         raise click.UsageError("pass exactly one of --prompt TEXT or --input-ids 1,2,3")
     ids = _parse_ids(input_ids) if input_ids is not None else None
 
+    if engine is None and (target is None or draft is None):
+        raise click.UsageError("pass --engine DIR, or both --target and --draft")
+
     from transformers.utils import logging as hf_logging
 
-    from dlite_trt.loading import load_pair
-    from dlite_trt.runtime.reference import SamplingParams
-    from dlite_trt.targets import stop_token_ids
+    from dlite_trt.runtime.session import SamplingParams
 
     hf_logging.disable_progress_bar()  # this command prints its own summary
 
-    pair = load_pair(target, draft, dtype=dtype, random_weights=random_weights)
+    if engine is not None:
+        from dlite_trt.engine.load import load_engine
+
+        pair = load_engine(engine, target=target, draft=draft, random_weights=random_weights)
+        if dtype is not None and dtype != pair.generator.manifest.dtype:
+            raise click.UsageError(f"the engine was built for {pair.generator.manifest.dtype}; drop --dtype "
+                                   "or rebuild the engine with that --dtype")
+    else:
+        from dlite_trt.loading import load_pair
+
+        pair = load_pair(target, draft, dtype=dtype or "fp32", random_weights=random_weights)
     tok = pair.tokenizer
     if ids is None:
         if tok is None:
-            raise DLiteError(f"the target {pair.source.name} has no tokenizer; pass --input-ids instead of --prompt.")
+            raise DLiteError(f"the target {pair.name} has no tokenizer; pass --input-ids instead of --prompt.")
         if chat:
             if not getattr(tok, "chat_template", None):
                 raise DLiteError("the target's tokenizer has no chat template; drop --chat.")
@@ -67,7 +81,7 @@ def command(target: str, draft: Path, prompt: str | None, input_ids: str | None,
             ids = tok.encode(prompt, add_special_tokens=False)
     elif chat:
         raise click.UsageError("--chat needs --prompt (a text to wrap in the chat template)")
-    stops = () if ignore_eos else stop_token_ids(pair.source, tok)
+    stops = () if ignore_eos else pair.stop_token_ids
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stops)
     start = time.perf_counter()
     result = pair.generator.generate([ids], params)

@@ -1,0 +1,40 @@
+"""`dlite-trt build`: compile a Qwen3 target and a DLite draft into an engine directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("build")
+@click.option("--target", required=True, help="Qwen3 model directory or preset name (qwen3-8b, ...).")
+@click.option("--draft", required=True, type=click.Path(path_type=Path), help="dlite_v1 draft checkpoint directory.")
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Engine directory to write (replaced only once the new engine is complete).")
+@click.option("--backend", type=click.Choice(["onnxruntime"]), default="onnxruntime", show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option("--max-seq-len", default=4096, show_default=True, type=click.IntRange(min=1),
+              help="Longest sequence (prompt + generated tokens) the engine accepts.")
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Most sequences per batch.")
+@click.option("--max-chunk", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Prompt tokens per prefill call; longer prompts are prefilled in chunks.")
+@click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+def command(target: str, draft: Path, out: Path, backend: str, dtype: str, max_seq_len: int, max_batch: int,
+            max_chunk: int, random_weights: bool, quiet: bool) -> None:
+    """Compile a Qwen3 target and a DLite draft into an engine directory."""
+    from transformers.utils import logging as hf_logging
+
+    from dlite_trt.engine.build import BuildSettings, build_engine
+    from dlite_trt.export.contract import EngineLimits
+
+    hf_logging.disable_progress_bar()
+    settings = BuildSettings(backend=backend, dtype=dtype, random_weights=random_weights,
+                             limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len, max_chunk=max_chunk))
+    manifest = build_engine(target, draft, out, settings, progress=not quiet)
+    total = sum(r["bytes"] for r in manifest.files.values())
+    click.echo(f"engine {out}: {backend} {dtype}, block size {manifest.block_size}, max batch {max_batch}, "
+               f"max seq len {max_seq_len}; {len(manifest.files)} files, {total / 2**20:.1f} MiB, "
+               f"built in {manifest.build['seconds']:.1f} s")

@@ -1,0 +1,43 @@
+"""Open an engine directory for generation, checked against the target/draft it should fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlite_trt.engine.manifest import check_sources, checkpoint_sha256, random_target_id
+from dlite_trt.runtime.engine import EngineGenerator, open_engine
+from dlite_trt.targets import TOKENIZER_FILES, resolve_target
+
+
+@dataclass
+class LoadedEngine:
+    generator: EngineGenerator
+    tokenizer: Any | None
+    stop_token_ids: tuple[int, ...]
+    name: str
+
+
+def load_engine(engine_dir: Path, *, target: str | Path | None = None, draft: Path | None = None,
+                random_weights: bool = False, threads: int | None = None, verify: bool = False) -> LoadedEngine:
+    """Load an engine; when ``target``/``draft`` are given, refuse unless the engine was built from them."""
+    from dlite_trt.engine.build import RANDOM_SEED
+
+    engine_dir = Path(engine_dir)
+    generator = open_engine(engine_dir, threads=threads, verify=verify)
+    manifest = generator.manifest
+    target_sha = draft_sha = None
+    if target is not None:
+        source = resolve_target(target, random_weights=random_weights)
+        target_sha = random_target_id(source.name, RANDOM_SEED) if source.is_random else checkpoint_sha256(source.path)
+    if draft is not None:
+        draft_sha = checkpoint_sha256(Path(draft))
+    check_sources(manifest, target_sha256=target_sha, draft_sha256=draft_sha, where=str(engine_dir))
+    tokenizer = None
+    tok_dir = engine_dir / "target"
+    if any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    return LoadedEngine(generator, tokenizer, manifest.stop_token_ids, f"engine {engine_dir}")

@@ -1,0 +1,146 @@
+"""The ONNX Runtime engine generates exactly what the target alone generates (greedy, fp32),
+matches the reference generator's behaviour (multi-turn, stops, sampling with a seed), and
+keeps its KV cache in place. Tiers: token ids exact everywhere (greedy and seeded sampling)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import bigram_draft, draft_config, generator, hf_greedy, make_target, near_bigram_target, random_draft
+
+from dlite_trt.checkpoint import save_draft
+from dlite_trt.engine.build import BuildSettings, build_engine
+from dlite_trt.export.contract import EngineLimits
+from dlite_trt.runtime.engine import open_engine
+from dlite_trt.runtime.session import SamplingParams
+
+NEW = 40
+
+
+def _prompts(seed: int, lengths: tuple[int, ...], vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(tmp, hf, draft, **limits):
+    hf.save_pretrained(tmp / "target")
+    save_draft(draft, tmp / "draft")
+    limits = {"max_batch": 4, "max_seq_len": 128, "max_chunk": 8} | limits
+    build_engine(tmp / "target", tmp / "draft", tmp / "engine", BuildSettings(limits=EngineLimits(**limits)),
+                 progress=False)
+    return open_engine(tmp / "engine")
+
+
+@pytest.fixture(scope="module", params=[(1, 4), (1, 8), (2, 4), (2, 8)], ids=lambda p: f"G{p[0]}-block{p[1]}")
+def bigram_case(request, tmp_path_factory):
+    """A near-bigram target and a bigram draft: acceptance is often full, sometimes partial or zero."""
+    g, block = request.param
+    hf, spec = near_bigram_target(64, seed=g + block)
+    draft = bigram_draft(hf, draft_config(spec, block_size=block, anchor_group_size=g))
+    return hf, spec, draft, _engine(tmp_path_factory.mktemp(f"g{g}b{block}"), hf, draft)
+
+
+@pytest.mark.parametrize("lengths", [(7,), (2, 13, 21)], ids=["batch1", "batch3"])
+def test_greedy_engine_equals_target_only(bigram_case, lengths):
+    hf, _, _, engine = bigram_case
+    prompts = _prompts(len(lengths), lengths, 64)  # the 13- and 21-token prompts prefill in 2 and 3 chunks
+    result = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    assert result.output_ids == [hf_greedy(hf, p, NEW) for p in prompts]
+    accepted = [n for s in result.steps for n in s.accepted if n is not None]
+    assert max(accepted) >= 2  # multi-token acceptance ran
+    if len(lengths) == 3:
+        assert 0 in accepted or min(accepted) < max(accepted)  # and rows advanced unevenly
+
+
+def test_engine_steps_equal_reference_steps(bigram_case):
+    """Same proposals, same acceptance per step as the PyTorch reference generator."""
+    hf, spec, draft, engine = bigram_case
+    prompts = _prompts(5, (3, 9, 6), 64)
+    want = generator(hf, spec, draft).generate(prompts, SamplingParams(max_new_tokens=NEW))
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    assert got.output_ids == want.output_ids
+    assert got.steps == want.steps
+
+
+def test_target_only_through_engine(bigram_case):
+    hf, _, _, engine = bigram_case
+    prompts = _prompts(2, (5, 17), 64)
+    result = engine.session(prompts).generate_target_only(SamplingParams(max_new_tokens=NEW))
+    assert result.output_ids == [hf_greedy(hf, p, NEW) for p in prompts]
+
+
+def test_multiturn_extend_equals_target_only_on_whole_context(bigram_case):
+    hf, _, _, engine = bigram_case
+    session = engine.session(_prompts(3, (6, 11), 64))
+    turns = _prompts(4, (9, 2), 64), _prompts(5, (1, 14), 64)
+    for turn in (None, *turns):
+        if turn is not None:
+            session.extend(turn)
+        context = [list(t) for t in session.tokens]
+        result = session.generate(SamplingParams(max_new_tokens=12))
+        assert result.output_ids == [hf_greedy(hf, c, 12) for c in context]
+    # the cache holds every token but each sequence's last one
+    assert session.cache_len == [len(t) - 1 for t in session.tokens]
+
+
+def test_stop_tokens_and_max_new_tokens(bigram_case):
+    hf, _, _, engine = bigram_case
+    prompts = _prompts(6, (4, 8), 64)
+    free = [hf_greedy(hf, p, NEW) for p in prompts]
+    stop = free[0][10]
+    result = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop,)))
+    for row, full in enumerate(free):
+        cut = full[: full.index(stop) + 1] if stop in full else full
+        assert result.output_ids[row] == cut
+        assert result.stop_reasons[row] == ("stop_token" if stop in full else "max_new_tokens")
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=1)).output_ids == [f[:1] for f in free]
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=0)).output_ids == [[], []]
+
+
+def test_streaming_yields_each_steps_tokens_in_order(bigram_case):
+    hf, _, _, engine = bigram_case
+    prompt = _prompts(7, (5,), 64)
+    events = list(engine.session(prompt).stream(SamplingParams(max_new_tokens=NEW)))
+    assert events[0].record is None and len(events[0].new_tokens[0]) == 1  # the prefill's anchor
+    assert all(len(e.new_tokens[0]) == e.record.accepted[0] + 1 for e in events[1:-1])
+    assert [t for e in events for t in e.new_tokens[0]] == hf_greedy(hf, prompt[0], NEW)
+
+
+def test_sampling_is_seeded_and_matches_the_reference(bigram_case):
+    """Random numbers are inputs drawn in the reference's order, so a seed reproduces the
+    reference's sampled output (and the engine's own) token for token."""
+    hf, spec, draft, engine = bigram_case
+    prompts = _prompts(8, (4, 10), 64)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.9, seed=11)
+    first = engine.generate(prompts, params)
+    assert engine.generate(prompts, params).output_ids == first.output_ids
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.9, seed=12)).output_ids \
+        != first.output_ids
+    assert first.output_ids == generator(hf, spec, draft).generate(prompts, params).output_ids
+
+
+def test_plain_random_target_full_strength(tmp_path):
+    """A target whose attention matters at full strength, G=2, prompts of 1 and 30 tokens."""
+    hf, spec = make_target(300, seed=4, num_hidden_layers=5, hidden_size=96)
+    cfg = draft_config(spec, block_size=8, anchor_group_size=2, chs_num_layers=4, sequential_rank=64)
+    engine = _engine(tmp_path, hf, random_draft(cfg), max_chunk=16)
+    prompts = _prompts(4, (9, 1, 30), 300)
+    result = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    assert result.output_ids == [hf_greedy(hf, p, NEW) for p in prompts]
+
+
+def test_kv_cache_is_bound_in_place(bigram_case):
+    """The cache inputs are views of the runner's buffer: a step stores O(block) entries and the
+    buffer object survives the whole generation (no per-step reallocation or concatenation)."""
+    _, _, draft, engine = bigram_case
+    session = engine.session(_prompts(9, (6,), 64))
+    stream = session.stream(SamplingParams(max_new_tokens=NEW))
+    next(stream)
+    runner = engine.runner
+    buffer, before = runner.k, runner.k.copy()
+    next(stream)
+    assert runner.k is buffer
+    changed = np.argwhere((runner.k != before).any(axis=(0, 1, 2, 4)))[:, 0]  # slots written by one step
+    assert 1 <= len(changed) <= draft.cfg.block_size
+    assert changed.min() == 6  # right after the prompt: the anchor's slot

@@ -1,0 +1,398 @@
+"""The exported engine graphs (prefill, step, decode) against their eager reference modules.
+
+Every check derives what it expects from the I/O contract (``engine_contract``) and the eager
+graph modules (``graph_module``), never from pasted numbers (STYLE 1, 4). Parity runs at shapes
+other than the trace shapes of ``onnx_export.TRACE_SIZES`` (batch 2, chunk 3, outputs 2, cache 7)
+so it proves the dims are really dynamic (STYLE 7).
+
+Tolerance tiers used below (fp32 throughout):
+- integer outputs (tokens, acceptance counts, gathers): exact;
+- float outputs (logits, hidden states, KV): atol 1e-4, rtol 0. ORT and PyTorch agree to ~1e-6
+  on these models; 1e-4 leaves room for a different reduction order on another CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.inliner
+import onnx.shape_inference
+import onnxruntime as ort
+import pytest
+import torch
+from helpers import draft_config, make_target, random_draft
+from onnx import helper, numpy_helper
+from polygraphy_data import ENV_VAR, feeds, write_request
+
+from dlite_trt.export.contract import EngineLimits, GraphSpec, dummy_inputs, engine_contract
+from dlite_trt.export.graphs import graph_module
+from dlite_trt.export.onnx_export import TRACE_SIZES, export_graph
+from dlite_trt.export.recurrence import (
+    ATTRIBUTES,
+    DOMAIN,
+    INPUT_NAMES,
+    OP_NAME,
+    OP_VERSION,
+    OUTPUT_NAMES,
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+)
+from dlite_trt.model.sequential_head import HeadWeights
+from dlite_trt.model.target import TargetAdapter
+
+VOCAB = 64
+LIMITS = EngineLimits(max_batch=4, max_seq_len=64, max_chunk=16)
+COMBOS = [(1, 4), (1, 8), (2, 4), (2, 8)]  # (anchor_group_size G, block_size)
+COMBO_IDS = [f"G{g}-block{b}" for g, b in COMBOS]
+GRAPHS = ("prefill", "step", "decode")
+DRAFT_GRAPHS = ("prefill", "step")  # the graphs that contain the draft's LowRankRecurrence node
+TEMPERATURES = np.array([0.0, 0.7, 1.3], dtype=np.float32)  # greedy and two sampling temperatures
+FLOAT_ATOL = 1e-4  # fp32 tier, see the module docstring
+
+# Parity shapes, none equal to the trace shapes. cache 16 with chunk 11 leaves past_len <= 5.
+PARITY_SIZES = {
+    "prefill": [{"batch": 1, "chunk": 1, "cache": 16}, {"batch": 3, "chunk": 5, "cache": 40},
+                {"batch": 3, "chunk": 11, "cache": 16}],
+    "decode": [{"batch": 1, "chunk": 1, "outputs": 1, "cache": 16}, {"batch": 3, "chunk": 11, "outputs": 4, "cache": 40},
+               {"batch": 4, "chunk": 5, "outputs": 5, "cache": 16}],
+}
+# step: sizes, temperature per row, and for greedy rows how many leading drafts are made to agree
+# with the target's greedy choice (None: all K), so acceptance counts 0 < n < K and n = K occur too.
+STEP_CASES = [
+    ({"batch": 1, "cache": 16}, [0.0], [None]),
+    ({"batch": 3, "cache": 40}, [0.0, 0.7, 0.0], [1, 0, 0]),
+    ({"batch": 4, "cache": 16}, [1.3, 0.0, 0.7, 0.0], [0, None, 0, 2]),
+]
+POLYGRAPHY_SIZES = {
+    "prefill": [{"batch": 1, "chunk": 4, "cache": 24}, {"batch": 4, "chunk": 9, "cache": 33}],
+    "step": [{"batch": 1, "cache": 24}, {"batch": 4, "cache": 33}],
+    "decode": [{"batch": 1, "chunk": 4, "outputs": 2, "cache": 24}, {"batch": 4, "chunk": 9, "outputs": 3, "cache": 33}],
+}
+# Ops that TensorRT handles poorly or not at all (data-dependent control flow, sequences).
+CONTROL_FLOW_OPS = {"If", "Loop", "Scan", "SplitToSequence", "ConcatFromSequence"}
+# The step graph still exports 3 If nodes: legacy torch.onnx turns ``x.squeeze(d)`` into
+# If(shape[d] == 1, Squeeze, Identity) when it cannot prove shape[d] == 1 (the ``.gather(...)
+# .squeeze(1)`` of p_n / q_n in runtime/sampling.rejection_accept and of chs in StepGraph);
+# the If output then has no static rank. strict: this test fails once that is fixed, so the
+# marker gets removed.
+STEP_HAS_IF = pytest.mark.xfail(strict=True, reason="squeeze of a gather exports as If (see comment above)")
+GRAPHS_STRUCTURE = [pytest.param(n, marks=STEP_HAS_IF) if n == "step" else n for n in GRAPHS]
+
+
+@dataclass
+class Engine:
+    """A target + draft for one (G, block) and its exported graphs (exported on first use)."""
+
+    group: int
+    block: int
+    out: Path
+    target: TargetAdapter = field(init=False)
+    draft: torch.nn.Module = field(init=False)
+    contract: dict[str, GraphSpec] = field(init=False)
+    _paths: dict[tuple[str, str], Path] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        hf, spec = make_target(VOCAB, seed=0)
+        cfg = draft_config(spec, block_size=self.block, anchor_group_size=self.group)
+        self.draft = random_draft(cfg)
+        self.target = TargetAdapter(hf, spec, cfg.target_layer_ids).eval()
+        self.contract = engine_contract(spec, cfg, LIMITS)
+
+    @property
+    def k(self) -> int:
+        return self.draft.cfg.num_proposals
+
+    def onnx_path(self, graph: str, lowering: str = "onnxruntime") -> Path:
+        key = (graph, lowering)
+        if key not in self._paths:
+            self._paths[key] = export_graph(self.contract[graph], self.target, self.draft,
+                                            self.out / lowering / f"{graph}.onnx", lowering=lowering)
+        return self._paths[key]
+
+    @torch.no_grad()
+    def eager(self, graph: str, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        spec = self.contract[graph]
+        outs = graph_module(spec, self.target, self.draft)(*(torch.from_numpy(feed[n]) for n in spec.input_names))
+        return {n: t.numpy() for n, t in zip(spec.output_names, outs, strict=True)}
+
+
+class EngineCache:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.engines: dict[tuple[int, int], Engine] = {}
+
+    def get(self, group: int, block: int) -> Engine:
+        if (group, block) not in self.engines:
+            self.engines[group, block] = Engine(group, block, self.root / f"G{group}-block{block}")
+        return self.engines[group, block]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> EngineCache:
+    return EngineCache(tmp_path_factory.mktemp("engines"))
+
+
+@pytest.fixture(params=COMBOS, ids=COMBO_IDS)
+def engine(request, engines) -> Engine:
+    return engines.get(*request.param)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def _parity_feeds(engine: Engine, graph: str) -> list[tuple[dict[str, int], dict[str, np.ndarray]]]:
+    """(sizes, feed) cases: dummy_inputs at non-trace shapes, temperatures mixing greedy and sampling."""
+    spec = engine.contract[graph]
+    rng = np.random.default_rng(1234)
+    if graph == "step":
+        cases = []
+        for sizes, temps, agree in STEP_CASES:
+            feed = _dummy(spec, sizes, rng)
+            feed["temperature"] = np.array(temps, dtype=np.float32)
+            cases.append((sizes, _agree_greedy_drafts(engine, feed, [engine.k if a is None else min(a, engine.k)
+                                                                     for a in agree])))
+        return cases
+    cases = []
+    for i, sizes in enumerate(PARITY_SIZES[graph]):
+        feed = _dummy(spec, sizes, rng)
+        feed["temperature"] = np.resize(np.roll(TEMPERATURES, i), sizes["batch"])
+        if i == 0:
+            feed["past_len"][:] = 0  # a sequence's first call (G' < G: the group is clamped)
+        cases.append((sizes, feed))
+    return cases
+
+
+def _dummy(spec: GraphSpec, sizes: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    assert any(sizes[d] != TRACE_SIZES[d] for d in sizes), f"{sizes} are the trace shapes"
+    return dummy_inputs(spec, sizes, vocab_size=VOCAB, rng=rng)
+
+
+def _agree_greedy_drafts(engine: Engine, feed: dict[str, np.ndarray], agree: list[int]) -> dict[str, np.ndarray]:
+    """Set d_1..d_agree[row] of greedy rows to the target's greedy tokens (found with the eager step)."""
+    block = feed["block"].copy()  # [B, K+1]
+    greedy = feed["temperature"] <= 1e-5
+    want = np.where(greedy, agree, 0)
+    for j in range(engine.k):
+        rows = want > j
+        if not rows.any():
+            break
+        # drafts 1..j agree, so at least j are accepted and emitted[:, j] is the target's token there
+        emitted = engine.eager("step", {**feed, "block": block})["emitted"]
+        block[rows, j + 1] = emitted[rows, j]
+    feed = {**feed, "block": block}
+    accepted = engine.eager("step", feed)["accepted"]
+    assert (accepted[greedy] >= want[greedy]).all(), (accepted, want)  # the setup did what it says (exact)
+    return feed
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX structure helpers
+
+
+def _all_nodes(model: onnx.ModelProto):
+    """Every node of the graph, of its subgraphs and of its model-local functions."""
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(attr.g.node)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    for g in attr.graphs:
+                        yield from walk(g.node)
+
+    yield from walk(model.graph.node)
+    for function in model.functions:
+        yield from walk(function.node)
+
+
+def _recurrence_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == OP_NAME]
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _source(model: onnx.ModelProto, name: str) -> str:
+    """Follow Cast/Identity producers back from a value to where it comes from."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    while name in producers and producers[name].op_type in ("Cast", "Identity"):
+        name = producers[name].input[0]
+    return name
+
+
+def _check_io(model: onnx.ModelProto, spec: GraphSpec) -> None:
+    """Graph inputs/outputs: names and order, dtypes and ranks as the contract says."""
+    for kind, values, tensors in (("input", model.graph.input, spec.inputs), ("output", model.graph.output, spec.outputs)):
+        assert [v.name for v in values] == [t.name for t in tensors], f"{spec.name} {kind}s"
+        for v, t in zip(values, tensors, strict=True):
+            tt = v.type.tensor_type
+            assert helper.tensor_dtype_to_np_dtype(tt.elem_type) == np.dtype(t.dtype), f"{spec.name}.{t.name} dtype"
+            dims = [d.dim_param or d.dim_value for d in tt.shape.dim]
+            assert len(dims) == len(t.dims), f"{spec.name}.{t.name}: rank {len(dims)}, contract {t.dims}"
+            for got, want in zip(dims, t.dims, strict=True):
+                if isinstance(want, str) or kind == "input":
+                    assert got == want, f"{spec.name}.{t.name}: dims {dims}, contract {t.dims}"
+                # Outputs' static dims: the exporter sometimes declares a symbolic name instead
+                # (e.g. new_key's head_dim); test_ort_matches_eager checks the actual sizes.
+
+
+def _check_recurrence_wiring(model: onnx.ModelProto, node: onnx.NodeProto, engine: Engine) -> None:
+    """The node's inputs/outputs mean what INPUT_NAMES/OUTPUT_NAMES say, in that order."""
+    assert len(node.input) == len(INPUT_NAMES) and len(node.output) == len(OUTPUT_NAMES)
+    wire = dict(zip(INPUT_NAMES, node.input, strict=True))
+    assert _source(model, wire["temperature"]) == "temperature"
+    assert _source(model, wire["uniforms"]) == "u_draft"
+    assert dict(zip(OUTPUT_NAMES, node.output, strict=True))["logits"] == "next_draft_logits"
+    initializers = {i.name: i for i in model.graph.initializer}
+    weights = engine.draft.sequential_head.weights()
+    for name in HeadWeights._fields:
+        assert wire[name] in initializers, f"{name} -> {wire[name]} is not a weight"
+        # exact: the initializer is the parameter's bytes
+        np.testing.assert_array_equal(numpy_helper.to_array(initializers[wire[name]]),
+                                      getattr(weights, name).detach().numpy(), err_msg=name)
+    assert _attrs(node)["num_steps"] == engine.k
+    assert _attrs(node)["seeded"] == int(engine.group > 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_ort_matches_eager(engine: Engine, graph: str) -> None:
+    spec = engine.contract[graph]
+    session = ort.InferenceSession(str(engine.onnx_path(graph)), providers=["CPUExecutionProvider"])
+    for sizes, feed in _parity_feeds(engine, graph):
+        got = dict(zip(spec.output_names, session.run(spec.output_names, feed), strict=True))
+        want = engine.eager(graph, feed)
+        for t in spec.outputs:
+            where = f"{graph}.{t.name} at {sizes}"
+            assert got[t.name].shape == t.shape(sizes) == want[t.name].shape, where
+            assert got[t.name].dtype == np.dtype(t.dtype) == want[t.name].dtype, where
+            if np.issubdtype(got[t.name].dtype, np.integer):
+                np.testing.assert_array_equal(got[t.name], want[t.name], err_msg=where)  # integer tier: exact
+            else:
+                np.testing.assert_allclose(got[t.name], want[t.name], rtol=0, atol=FLOAT_ATOL, err_msg=where)  # fp32
+
+
+def test_step_cases_cover_acceptance(engine: Engine) -> None:
+    """The step parity cases see n = 0, 0 < n < K and n = K among greedy rows (so parity means something)."""
+    seen = set()
+    for _, feed in _parity_feeds(engine, "step"):
+        greedy = feed["temperature"] <= 1e-5
+        seen |= set(engine.eager("step", feed)["accepted"][greedy].tolist())
+    assert 0 in seen and engine.k in seen and seen - {0, engine.k}, seen
+
+
+# decode has no recurrence node, so its two lowerings are the same graph
+@pytest.mark.parametrize(("graph", "lowering"), [*((g, "onnxruntime") for g in GRAPHS),
+                                                 *((g, "tensorrt") for g in DRAFT_GRAPHS)])
+def test_io_matches_contract(engine: Engine, graph: str, lowering: str) -> None:
+    model = onnx.load(str(engine.onnx_path(graph, lowering)), load_external_data=False)
+    _check_io(model, engine.contract[graph])
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_onnxruntime_lowering(engine: Engine, graph: str) -> None:
+    path = engine.onnx_path(graph)
+    onnx.checker.check_model(str(path))  # the path form reads the external data file
+    model = onnx.load(str(path))
+    nodes = _recurrence_nodes(model)
+    custom = {(n.domain, n.op_type) for n in model.graph.node if n.domain not in ("", "ai.onnx")}
+    opsets = {o.domain: o.version for o in model.opset_import}
+    if graph not in DRAFT_GRAPHS:
+        assert not nodes and not custom and not model.functions and DOMAIN not in opsets
+        return
+    assert len(nodes) == 1 and custom == {(DOMAIN, OP_NAME)}
+    node = nodes[0]
+    assert node.domain == DOMAIN and opsets[DOMAIN] == OP_VERSION
+    _check_recurrence_wiring(model, node, engine)
+    assert len(model.functions) == 1
+    function = model.functions[0]
+    assert (function.domain, function.name) == (node.domain, node.op_type)
+    assert tuple(function.input) == INPUT_NAMES and tuple(function.output) == OUTPUT_NAMES
+    assert tuple(function.attribute) == ATTRIBUTES
+    assert all(n.domain in ("", "ai.onnx") for n in function.node)  # the body is standard ops only
+
+
+@pytest.mark.parametrize("graph", DRAFT_GRAPHS)
+def test_tensorrt_lowering(engine: Engine, graph: str) -> None:
+    model = onnx.load(str(engine.onnx_path(graph, "tensorrt")))
+    nodes = _recurrence_nodes(model)
+    assert len(nodes) == 1
+    node = nodes[0]
+    assert node.domain == ""  # TensorRT's parser looks plugins up by op_type in the default domain
+    attrs = _attrs(node)
+    assert attrs["plugin_namespace"].decode() == PLUGIN_NAMESPACE
+    assert attrs["plugin_version"].decode() == PLUGIN_VERSION
+    assert set(attrs) == {*ATTRIBUTES, "plugin_namespace", "plugin_version"}
+    _check_recurrence_wiring(model, node, engine)
+    assert not model.functions
+    assert DOMAIN not in {o.domain for o in model.opset_import}
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+
+
+@pytest.mark.parametrize("graph", GRAPHS_STRUCTURE)
+def test_no_control_flow(engine: Engine, graph: str) -> None:
+    for lowering in ("onnxruntime", "tensorrt") if graph in DRAFT_GRAPHS else ("onnxruntime",):
+        model = onnx.load(str(engine.onnx_path(graph, lowering)), load_external_data=False)
+        bad = sorted({n.op_type for n in _all_nodes(model)
+                      if n.op_type in CONTROL_FLOW_OPS or n.op_type.startswith(("Sequence", "Optional"))})
+        assert not bad, f"{graph} ({lowering}) contains {bad}"
+
+
+@pytest.mark.parametrize("graph", GRAPHS_STRUCTURE)
+def test_static_ranks(engine: Engine, graph: str) -> None:
+    """After inlining the recurrence body, shape inference gives every value a known rank."""
+    model = onnx.load(str(engine.onnx_path(graph)), load_external_data=False)
+    inferred = onnx.shape_inference.infer_shapes(onnx.inliner.inline_local_functions(model), strict_mode=True,
+                                                 data_prop=True)
+    g = inferred.graph
+    typed = {v.name: v.type.tensor_type for v in (*g.value_info, *g.input, *g.output)}
+    values = [o for n in g.node for o in n.output if o]
+    assert values and all(v in typed for v in values), [v for v in values if v not in typed][:10]
+    no_rank = [v for v in values if not typed[v].HasField("shape")]
+    assert not no_rank, f"{graph}: {len(no_rank)} values without a static rank, e.g. {no_rank[:5]}"
+
+
+def _polygraphy_cli() -> Path:
+    pytest.importorskip("polygraphy", reason="polygraphy (extra 'dev') is not installed")
+    cli = Path(sys.executable).with_name("polygraphy")
+    if not cli.exists():
+        pytest.skip(f"no polygraphy CLI next to {sys.executable}")
+    return cli
+
+
+@pytest.mark.parametrize("engine", [(2, 8)], indirect=True, ids=["G2-block8"])
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_polygraphy_onnxrt_run(engine: Engine, graph: str, tmp_path: Path) -> None:
+    """``polygraphy run --onnxrt`` on the exported graph, fed by tests/polygraphy_data.py, agrees with eager."""
+    from polygraphy.comparator import RunResults
+
+    cli = _polygraphy_cli()
+    spec = engine.contract[graph]
+    request = write_request(tmp_path / "request.json", spec, POLYGRAPHY_SIZES[graph], vocab_size=VOCAB, seed=7)
+    reference = RunResults()
+    reference.add([engine.eager(graph, feed) for feed in feeds(request)], runner_name="eager")
+    reference.save(str(tmp_path / "eager.json"))
+    # per-output tolerances: integer outputs exact, fp32 outputs FLOAT_ATOL (see module docstring)
+    atol = [f"{t.name}:{0 if np.issubdtype(np.dtype(t.dtype), np.integer) else FLOAT_ATOL}" for t in spec.outputs]
+    cmd = [str(cli), "run", str(engine.onnx_path(graph)), "--onnxrt",
+           "--data-loader-script", f"{Path(__file__).with_name('polygraphy_data.py')}:load_data",
+           "--load-outputs", str(tmp_path / "eager.json"), "--atol", *atol, "--rtol", "0"]
+    proc = subprocess.run(cmd, env={**os.environ, ENV_VAR: str(request)}, capture_output=True, text=True,
+                          timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert f"Passed: {len(POLYGRAPHY_SIZES[graph])}/{len(POLYGRAPHY_SIZES[graph])} iterations" in log, log[-4000:]
+    assert "PASSED | Runtime" in log, log[-4000:]
