@@ -65,10 +65,12 @@ def train_tokenizer(files: list[Path], vocab_size: int, out: Path | None = None)
 
 def tiny_target_spec(vocab_size: int, *, hidden_size: int = 128, num_hidden_layers: int = 4,
                      num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 32,
-                     intermediate_size: int = 384, eos_token_id: int | tuple[int, ...] | None = None) -> TargetSpec:
+                     intermediate_size: int = 384, eos_token_id: int | tuple[int, ...] | None = None,
+                     max_position_embeddings: int = 32768) -> TargetSpec:
     return TargetSpec(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                       num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-                      head_dim=head_dim, intermediate_size=intermediate_size, max_position_embeddings=4096,
+                      head_dim=head_dim, intermediate_size=intermediate_size,
+                      max_position_embeddings=max_position_embeddings,
                       rope_theta=10_000.0, tie_word_embeddings=False, eos_token_id=eos_token_id)
 
 

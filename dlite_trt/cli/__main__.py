@@ -1,0 +1,3 @@
+from dlite_trt.cli import main
+
+main()

@@ -1,0 +1,387 @@
+"""Engine directories that are missing, corrupt, stale or asked too much: each refused with a clear message.
+
+One engine is built per module from the tiny pair (limits below) and copied into ``tmp_path``
+by every test that damages it. Every error is checked for its type (library) or exit code and
+clean output (CLI), and for a message that names both the problem and the fix. The limits
+under test are read from the engine's manifest and the target's config, never pasted.
+The happy paths (input exactly at --max-seq-len, ``generate --engine --json --trace``) are
+checked against the PyTorch reference generator, token for token (greedy fp32: exact).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dlite_trt.cli import main
+from dlite_trt.engine.build import BuildSettings, build_engine
+from dlite_trt.engine.load import LoadedEngine, load_engine
+from dlite_trt.engine.manifest import FORMAT_VERSION, MANIFEST, checkpoint_sha256, load_manifest
+from dlite_trt.errors import DLiteError, EngineError
+from dlite_trt.export.contract import EngineLimits
+from dlite_trt.runtime.session import SamplingParams
+
+LIMITS = EngineLimits(max_batch=2, max_seq_len=64, max_chunk=16)
+PROMPT = [5, 6, 7]
+
+
+# --------------------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(scope="module")
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_pair, tmp_path_factory) -> Path:
+    """The module's one engine (fp32, LIMITS). Never modified: copy it (``engine_copy``) to damage it."""
+    out = tmp_path_factory.mktemp("engine") / "engine"
+    build_engine(*tiny_pair, out, BuildSettings(backend="onnxruntime", dtype="fp32", limits=LIMITS,
+                                                random_weights=False), progress=False)
+    return out
+
+
+@pytest.fixture
+def engine_copy(engine_dir, tmp_path) -> Path:
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir, copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir) -> LoadedEngine:
+    return load_engine(engine_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    """The PyTorch reference generator for the tiny pair (the truth the engine must match)."""
+    from dlite_trt.loading import load_pair
+
+    return load_pair(*tiny_pair, dtype="fp32").generator
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """Corrupt one byte in place; the size stays the same."""
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def tree(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def generate_engine(runner: CliRunner, engine_dir: Path, *args: str):
+    return runner.invoke(main, ["generate", "--engine", str(engine_dir), *args])
+
+
+def assert_message(message: str, *fragments: str) -> None:
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def assert_clean_error(result, *fragments: str, exit_code: int) -> None:
+    """A CLI run that failed with ``exit_code``, printed ``Error:`` and the fragments, and no traceback."""
+    assert result.exit_code == exit_code, (result.exit_code, result.output, result.exception)
+    assert isinstance(result.exception, SystemExit), repr(result.exception)  # handled by click, not crashed
+    assert "Traceback" not in result.output
+    assert "Error:" in result.output
+    assert_message(result.output, *fragments)
+
+
+def assert_engine_error(engine_dir: Path, runner: CliRunner, *fragments: str) -> None:
+    """Both ``load_engine`` and ``generate --engine`` refuse the directory with the same message fragments."""
+    with pytest.raises(EngineError) as excinfo:
+        load_engine(engine_dir)
+    assert_message(str(excinfo.value), *fragments)
+    result = generate_engine(runner, engine_dir, "--input-ids", "5,6,7", "--max-new-tokens", "2")
+    assert_clean_error(result, *fragments, exit_code=1)
+
+
+# --------------------------------------------------------------------------- the directory and its files
+
+
+def test_missing_engine_directory(runner, tmp_path):
+    missing = tmp_path / "no_such_engine"
+    assert_engine_error(missing, runner, str(missing), "does not exist", "dlite-trt build")
+
+
+def _no_manifest(d: Path) -> None:
+    (d / MANIFEST).unlink()
+
+
+def _manifest_not_json(d: Path) -> None:
+    (d / MANIFEST).write_text((d / MANIFEST).read_text()[:-40])  # cut off mid-object, as a crashed write would
+
+
+def _missing_graph(d: Path) -> None:
+    (d / "onnxruntime" / "step.onnx").unlink()
+
+
+def _truncated_weights(d: Path) -> None:
+    path = d / "onnxruntime" / "step.onnx.data"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flipped_graph(d: Path) -> None:
+    flip_byte(d / "onnx" / "step.onnx")  # not loaded by the ORT runner: only the sha256 can catch it
+
+
+def _edited_target_config(d: Path) -> None:
+    path = d / "target" / "config.json"
+    text = path.read_text()
+    value = json.loads(text)["max_position_embeddings"]
+    edited = text.replace(f'"max_position_embeddings": {value}', f'"max_position_embeddings": {value - 1}')
+    assert edited != text and len(edited) == len(text)  # same size: only the hash tells
+    path.write_text(edited)
+
+
+CORRUPTIONS = {
+    "no_manifest": (_no_manifest, ("no manifest.json", "not an engine directory", "dlite-trt build")),
+    "manifest_not_json": (_manifest_not_json, ("manifest.json is not valid JSON", "corrupt", "Rebuild")),
+    "missing_file": (_missing_graph, ("onnxruntime/step.onnx is missing", "incomplete", "Rebuild")),
+    "truncated_file": (_truncated_weights, ("onnxruntime/step.onnx.data has", "bytes", "truncated", "Rebuild")),
+    "flipped_graph": (_flipped_graph, ("onnx/step.onnx does not match its sha256", "corrupt", "Rebuild")),
+    "edited_config": (_edited_target_config, ("target/config.json does not match its sha256", "Rebuild")),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_damaged_engine_is_refused(runner, engine_copy, corruption):
+    damage, fragments = CORRUPTIONS[corruption]
+    load_manifest(engine_copy)  # the intact copy loads
+    damage(engine_copy)
+    assert_engine_error(engine_copy, runner, *fragments)
+
+
+def test_manifest_from_incompatible_version(runner, engine_copy):
+    path = engine_copy / MANIFEST
+    data = json.loads(path.read_text())
+    assert data["format_version"] == FORMAT_VERSION
+    data["format_version"] = 999
+    path.write_text(json.dumps(data))
+    assert_engine_error(engine_copy, runner, "engine format 999", f"reads format {FORMAT_VERSION}",
+                        "Rebuild the engine", "dlite-trt build")
+
+
+# --------------------------------------------------------------------------- the target and draft it was built from
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny_pair, tmp_path_factory) -> Path:
+    """The tiny draft's config with other random weights."""
+    from dlite_trt.checkpoint import load_draft_config
+    from dlite_trt.tiny_models import write_random_draft
+
+    out = tmp_path_factory.mktemp("other_draft") / "draft"
+    write_random_draft(out, load_draft_config(tiny_pair[1]), seed=12345)
+    assert (out / "config.json").read_text() == (tiny_pair[1] / "config.json").read_text()
+    assert checkpoint_sha256(out) != checkpoint_sha256(tiny_pair[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_target(tiny_pair, tmp_path_factory) -> Path:
+    """A copy of the tiny target with one weight changed."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("other_target") / "target"
+    shutil.copytree(tiny_pair[0], out)
+    (weights,) = sorted(out.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += torch.tensor(1.0, dtype=tensors[name].dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert checkpoint_sha256(out) != checkpoint_sha256(tiny_pair[0])
+    return out
+
+
+def test_other_draft_is_refused(runner, engine_dir, tiny_pair, other_draft):
+    with pytest.raises(EngineError) as excinfo:
+        load_engine(engine_dir, draft=other_draft)
+    assert_message(str(excinfo.value), "built from a different draft", "rebuild", "dlite-trt build", "--draft")
+    result = generate_engine(runner, engine_dir, "--target", str(tiny_pair[0]), "--draft", str(other_draft),
+                             "--input-ids", "5,6,7", "--max-new-tokens", "2")
+    assert_clean_error(result, "different draft", exit_code=1)
+
+
+def test_other_target_is_refused(engine_dir, tiny_pair, other_target):
+    with pytest.raises(EngineError) as excinfo:
+        load_engine(engine_dir, target=other_target, draft=tiny_pair[1])
+    assert_message(str(excinfo.value), "built from a different target", "rebuild", "dlite-trt build", "--target")
+
+
+def test_matching_target_and_draft_are_accepted(engine_dir, tiny_pair, engine):
+    checked = load_engine(engine_dir, target=tiny_pair[0], draft=tiny_pair[1])
+    params = SamplingParams(max_new_tokens=6)
+    out = checked.generator.session([PROMPT]).generate(params).output_ids
+    assert out == engine.generator.session([PROMPT]).generate(params).output_ids
+    assert len(out[0]) == 6
+
+
+# --------------------------------------------------------------------------- requests past the build limits
+
+
+@pytest.mark.parametrize("prompt_len, over", [(3, 1), (LIMITS.max_seq_len + 1, 1), (40, 5)],
+                         ids=["new-tokens", "prompt-alone", "chunked-prompt"])
+def test_longer_than_max_seq_len_is_refused(engine, prompt_len, over):
+    limit = engine.generator.manifest.limits.max_seq_len
+    assert limit == LIMITS.max_seq_len
+    max_new = limit + over - prompt_len  # prompt + max_new_tokens is `over` tokens past the limit
+    with pytest.raises(EngineError) as excinfo:
+        engine.generator.session([[5] * prompt_len]).generate(SamplingParams(max_new_tokens=max_new))
+    assert_message(str(excinfo.value), f"reach {limit + over} tokens", f"--max-seq-len {limit}",
+                   "lower max_new_tokens", "rebuild")
+
+
+def test_exactly_max_seq_len_matches_reference(engine, reference):
+    limits = engine.generator.manifest.limits
+    prompt = [(7 * i + 3) % 500 for i in range(40)]  # three prefill chunks of at most max_chunk=16
+    assert len(prompt) > 2 * limits.max_chunk
+    params = SamplingParams(max_new_tokens=limits.max_seq_len - len(prompt))  # no stop tokens: all of them
+    got = engine.generator.session([prompt]).generate(params)
+    want = reference.session([prompt]).generate(params)
+    assert len(got.output_ids[0]) == params.max_new_tokens
+    assert got.output_ids == want.output_ids
+    assert got.acceptance_lengths(0) == want.acceptance_lengths(0)
+
+
+def test_batch_larger_than_max_batch_is_refused(engine):
+    max_batch = engine.generator.manifest.limits.max_batch
+    engine.generator.session([PROMPT] * max_batch).generate(SamplingParams(max_new_tokens=2))  # at the limit: fine
+    with pytest.raises(EngineError) as excinfo:
+        engine.generator.session([PROMPT] * (max_batch + 1))
+    assert_message(str(excinfo.value), f"{max_batch + 1} sequences", f"--max-batch {max_batch}", "split the batch",
+                   "rebuild")
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 100000], ids=["negative", "vocab", "far"])
+def test_token_ids_outside_vocabulary_are_refused(engine, bad):
+    vocab = engine.generator.spec.vocab_size
+    bad = bad + vocab if bad >= 0 else bad  # 0 -> exactly vocab_size, the first id past the end
+    with pytest.raises(DLiteError) as excinfo:
+        engine.generator.session([[5, bad, 6]])
+    assert_message(str(excinfo.value), "outside the target vocabulary", f"[0, {vocab})", str(bad),
+                   "target's tokenizer")
+
+
+# --------------------------------------------------------------------------- dlite-trt build
+
+
+def build_args(tiny_pair, out: Path, *extra: str) -> list[str]:
+    return ["build", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--out", str(out), "--quiet",
+            *extra]
+
+
+def test_build_refuses_to_overwrite_a_non_engine_directory(runner, tiny_pair, tmp_path):
+    precious = tmp_path / "precious"
+    (precious / "sub").mkdir(parents=True)
+    (precious / "notes.txt").write_text("keep me\n")
+    (precious / "sub" / "data.bin").write_bytes(bytes(range(256)))
+    before = tree(precious)
+    result = runner.invoke(main, build_args(tiny_pair, precious))
+    assert_clean_error(result, f"--out {precious}", "not an engine directory", "refusing to overwrite",
+                       "new or empty directory", exit_code=1)
+    assert tree(precious) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]  # no partial build left beside it
+
+
+def test_rebuild_replaces_an_engine_directory(runner, tiny_pair, engine, engine_copy):
+    (engine_copy / "stray.txt").write_text("from the previous engine\n")
+    new = EngineLimits(max_batch=LIMITS.max_batch, max_seq_len=LIMITS.max_seq_len // 2, max_chunk=LIMITS.max_chunk // 2)
+    result = runner.invoke(main, build_args(tiny_pair, engine_copy, "--max-batch", str(new.max_batch),
+                                            "--max-seq-len", str(new.max_seq_len), "--max-chunk", str(new.max_chunk)))
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert not (engine_copy / "stray.txt").exists()  # replaced, not merged
+    assert sorted(p.name for p in engine_copy.parent.iterdir()) == ["engine"]  # no backup or partial left
+    assert load_manifest(engine_copy, verify=True).limits == new
+    rebuilt = load_engine(engine_copy)
+    params = SamplingParams(max_new_tokens=8)
+    assert (rebuilt.generator.session([PROMPT]).generate(params).output_ids
+            == engine.generator.session([PROMPT]).generate(params).output_ids)
+
+
+@pytest.mark.xfail(strict=True, raises=DLiteError,
+                   reason="export traces at TRACE_SIZES (batch 2, chunk 3) even when the limits exclude them")
+def test_build_with_smallest_limits(tiny_pair, engine, tmp_path):
+    out = tmp_path / "engine"
+    build_engine(*tiny_pair, out, BuildSettings(limits=EngineLimits(max_batch=1, max_seq_len=16, max_chunk=1)),
+                 progress=False)
+    params = SamplingParams(max_new_tokens=8)
+    assert (load_engine(out).generator.session([PROMPT]).generate(params).output_ids
+            == engine.generator.session([PROMPT]).generate(params).output_ids)
+
+
+def test_build_past_max_position_embeddings_is_refused(runner, tiny_pair, tmp_path):
+    from dlite_trt.targets import read_target_spec
+
+    limit = read_target_spec(tiny_pair[0]).max_position_embeddings
+    out = tmp_path / "engine"
+    result = runner.invoke(main, build_args(tiny_pair, out, "--max-seq-len", str(limit + 1)))
+    assert_clean_error(result, f"--max-seq-len {limit + 1}", f"max_position_embeddings={limit}", "lower it",
+                       exit_code=1)
+    assert list(tmp_path.iterdir()) == []  # neither the engine nor a partial build
+
+
+# --------------------------------------------------------------------------- dlite-trt generate --engine
+
+
+def test_generate_engine_dtype_mismatch_is_a_usage_error(runner, engine_dir):
+    result = generate_engine(runner, engine_dir, "--dtype", "fp16", "--input-ids", "5,6,7", "--max-new-tokens", "2")
+    assert_clean_error(result, "built for fp32", "drop --dtype", "rebuild", exit_code=2)
+    assert "Usage:" in result.output
+
+
+@pytest.mark.parametrize("args", [[], ["--target", "TARGET"], ["--draft", "DRAFT"]], ids=["none", "target", "draft"])
+def test_generate_needs_engine_or_target_and_draft(runner, tiny_pair, args):
+    args = [str(tiny_pair[0]) if a == "TARGET" else str(tiny_pair[1]) if a == "DRAFT" else a for a in args]
+    result = runner.invoke(main, ["generate", *args, "--input-ids", "5,6,7", "--max-new-tokens", "2"])
+    assert_clean_error(result, "--engine", "--target", "--draft", exit_code=2)
+    assert "Usage:" in result.output
+
+
+def test_generate_engine_past_max_seq_len_is_a_clean_error(runner, engine_dir):
+    too_many = LIMITS.max_seq_len - len(PROMPT) + 1
+    result = generate_engine(runner, engine_dir, "--input-ids", ",".join(map(str, PROMPT)),
+                             "--max-new-tokens", str(too_many))
+    assert_clean_error(result, f"--max-seq-len {LIMITS.max_seq_len}", "lower max_new_tokens", exit_code=1)
+
+
+def test_generate_engine_json_trace_matches_reference(runner, engine_dir, tiny_pair):
+    args = ["--input-ids", "5,6,7,100,200", "--max-new-tokens", "12", "--json", "--trace"]
+    got = generate_engine(runner, engine_dir, *args)
+    want = runner.invoke(main, ["generate", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), *args])
+    assert got.exit_code == 0 and want.exit_code == 0, (got.output, want.output)
+    got, want = json.loads(got.stdout), json.loads(want.stdout)
+    assert got["output_ids"] == want["output_ids"]
+    assert len(got["output_ids"]) == 12 or got["stop_reason"] == "stop_token"
+    for key in ("acceptance_lengths", "steps", "stop_reason", "text"):  # integer logic: exact
+        assert got[key] == want[key], key
+    assert got["acceptance_lengths"] and len(got["steps"]) == len(got["acceptance_lengths"])
+    assert [s["accepted"] + 1 for s in got["steps"]] == got["acceptance_lengths"]
+
+
+def test_console_script_error_has_no_traceback(engine_dir):
+    exe = Path(sys.executable).parent / "dlite-trt"
+    exe = str(exe) if exe.exists() else shutil.which("dlite-trt")
+    assert exe, "the dlite-trt console script is not installed next to the interpreter or on PATH"
+    too_many = LIMITS.max_seq_len - len(PROMPT) + 1
+    run = subprocess.run([exe, "generate", "--engine", str(engine_dir), "--input-ids", ",".join(map(str, PROMPT)),
+                          "--max-new-tokens", str(too_many)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 1, (run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr + run.stdout
+    assert "Error:" in run.stderr and f"--max-seq-len {LIMITS.max_seq_len}" in run.stderr
+    assert run.stdout == ""
