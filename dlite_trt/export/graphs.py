@@ -87,7 +87,7 @@ class StepGraph(_EngineGraph):
         n = torch.where(greedy, n_greedy, n_sampled)  # [B]
         anchor = torch.where(greedy, anchor_greedy, anchor_sampled)  # [B]
         s, h = out.hidden.shape[2:]
-        chs = out.hidden.gather(1, n[:, None, None, None].expand(b, 1, s, h)).squeeze(1)  # [B, S, H] at index n
+        chs = out.hidden.gather(1, n[:, None, None, None].expand(b, 1, s, h))[:, 0]  # [B, S, H] at index n
         # emitted: d_1..d_n, the new anchor, then padding
         padded = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)  # [B, K+1]
         emitted = torch.where(index[None, :] < n[:, None], padded,

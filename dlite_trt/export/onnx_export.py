@@ -40,6 +40,22 @@ def trace_inputs(graph: GraphSpec, vocab_size: int, dtype: torch.dtype) -> tuple
                  torch.from_numpy(a) for a, t in zip(feeds.values(), graph.inputs, strict=True))
 
 
+def _declare_output_shapes(model: onnx.ModelProto, graph: GraphSpec) -> None:
+    """Write the contract's output dims (static sizes, dim names) into the graph outputs (the tracer
+    invents names like ``Concatnew_key_dim_4`` for dims it cannot prove static)."""
+    for value in model.graph.output:
+        dims = value.type.tensor_type.shape.dim
+        spec = graph.tensor(value.name)
+        if len(dims) != len(spec.dims):
+            raise ValueError(f"{graph.name}: output {value.name} has rank {len(dims)}, the contract says {spec.dims}")
+        for dim, want in zip(dims, spec.dims, strict=True):
+            dim.Clear()
+            if isinstance(want, str):
+                dim.dim_param = want
+            else:
+                dim.dim_value = want
+
+
 def export_graph(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft, path: Path, *,
                  lowering: str = "onnxruntime") -> Path:
     """Write ``path`` (+ ``path.data`` with the weights); returns ``path``."""
@@ -59,14 +75,14 @@ def export_graph(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft, pat
                               custom_opsets={DOMAIN: OP_VERSION} if module.uses_draft else None,
                               do_constant_folding=True)
         model = onnx.load(str(raw), load_external_data=False)
-        if not module.uses_draft:
-            pass
-        elif lowering == "onnxruntime":
-            head = draft.sequential_head
-            body = recurrence_function(head, draft.cfg.num_proposals, draft.cfg.anchor_group_size > 1, dtype)
+        _declare_output_shapes(model, graph)
+        if module.uses_draft and lowering == "onnxruntime":
+            body = recurrence_function(draft.sequential_head, draft.cfg.num_proposals,
+                                       draft.cfg.anchor_group_size > 1, dtype)
             lower_for_onnxruntime(model, body)
-        else:
+        elif module.uses_draft:
             lower_for_tensorrt(model)
+        # decode has no draft: both lowerings are the same standard-op graph
         onnx.load_external_data_for_model(model, tmp)
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=1024)

@@ -47,25 +47,26 @@ ATTRIBUTES = ("num_steps", "seeded")
 
 
 class _RecurrenceOp(torch.autograd.Function):
-    """Runs the reference recurrence; exports as one ``dlite::LowRankRecurrence`` node."""
+    """Runs the reference recurrence; exports as one ``dlite::LowRankRecurrence`` node.
+
+    ``num_steps`` (K) and ``vocab`` (V) are passed as Python ints so the node's output types are
+    static even where the tracer only knows ranks.
+    """
 
     @staticmethod
-    def forward(ctx, draft_hidden, anchor, seed_prev, temperature, uniforms, seeded, *weights):
+    def forward(ctx, draft_hidden, anchor, seed_prev, temperature, uniforms, num_steps, vocab, seeded, *weights):
         out = recurrence(HeadWeights(*weights), draft_hidden, anchor, seed_prev if seeded else None,
                          temperature, uniforms)
         return out.tokens, out.logits.float()
 
     @staticmethod
-    def symbolic(g, draft_hidden, anchor, seed_prev, temperature, uniforms, seeded, *weights):
-        num_steps, vocab = _RecurrenceOp.static_sizes
+    def symbolic(g, draft_hidden, anchor, seed_prev, temperature, uniforms, num_steps, vocab, seeded, *weights):
         tokens, logits = g.op(f"{DOMAIN}::{OP_NAME}", draft_hidden, anchor, seed_prev, temperature, uniforms,
                               *weights, num_steps_i=num_steps, seeded_i=int(seeded), outputs=2)
         tensor_type = torch._C.TensorType.get()
         tokens.setType(tensor_type.with_dtype(torch.int64).with_sizes([None, num_steps]))
         logits.setType(tensor_type.with_dtype(torch.float32).with_sizes([None, num_steps, vocab]))
         return tokens, logits
-
-    static_sizes: tuple[int, int] = (0, 0)  # (K, V), set by low_rank_recurrence while tracing
 
 
 def low_rank_recurrence(head: SequentialHead, draft_hidden: torch.Tensor, anchor: torch.Tensor,
@@ -76,9 +77,9 @@ def low_rank_recurrence(head: SequentialHead, draft_hidden: torch.Tensor, anchor
         out = head(draft_hidden, anchor, seed_prev, temperature, uniforms)
         return HeadOutput(out.tokens, out.logits.float())
     seeded = seed_prev is not None
-    _RecurrenceOp.static_sizes = (draft_hidden.shape[1], head.output_proj.weight.shape[0])
+    num_steps, vocab = int(draft_hidden.shape[1]), int(head.output_proj.weight.shape[0])
     tokens, logits = _RecurrenceOp.apply(draft_hidden, anchor, seed_prev if seeded else anchor, temperature,
-                                         uniforms, seeded, *head.weights())
+                                         uniforms, num_steps, vocab, seeded, *head.weights())
     return HeadOutput(tokens, logits)
 
 

@@ -85,7 +85,7 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     """
     posterior = target_logits.argmax(dim=-1)  # [B, K+1]
     n = leading_true(draft_tokens == posterior[:, :-1])  # [B]
-    next_token = posterior.gather(1, n[:, None]).squeeze(1)
+    next_token = posterior.gather(1, n[:, None])[:, 0]  # [:, 0], not squeeze: no If in ONNX
     return n, next_token
 
 
@@ -102,13 +102,13 @@ def rejection_accept(
     next token from norm(max(p_n - q_n, 0)); if all K are accepted, from p_K (the bonus).
     """
     b, k = draft_tokens.shape
-    p_tok = target_probs[:, :k].gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
-    q_tok = draft_probs.gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
+    p_tok = target_probs[:, :k].gather(2, draft_tokens[:, :, None])[:, :, 0]  # [B, K]
+    q_tok = draft_probs.gather(2, draft_tokens[:, :, None])[:, :, 0]  # [B, K]
     accept = u_accept * q_tok < p_tok  # u < p/q without dividing by q
     n = leading_true(accept)  # [B]
-    p_n = target_probs.gather(1, n[:, None, None].expand(b, 1, target_probs.shape[-1])).squeeze(1)  # [B, V]
+    p_n = target_probs.gather(1, n[:, None, None].expand(b, 1, target_probs.shape[-1]))[:, 0]  # [B, V]
     q_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # q_K := 0
-    q_n = q_padded.gather(1, n[:, None, None].expand(b, 1, q_padded.shape[-1])).squeeze(1)
+    q_n = q_padded.gather(1, n[:, None, None].expand(b, 1, q_padded.shape[-1]))[:, 0]
     residual = (p_n - q_n).clamp_min(0.0)
     # p == q at a rejected position has zero residual mass; it cannot be rejected then, but
     # guard against rounding by falling back to p.
