@@ -137,10 +137,24 @@ def test_kv_cache_is_bound_in_place(bigram_case):
     session = engine.session(_prompts(9, (6,), 64))
     stream = session.stream(SamplingParams(max_new_tokens=NEW))
     next(stream)
-    runner = engine.runner
-    buffer, before = runner.k, runner.k.copy()
+    cache = session.cache
+    buffer, before = cache.k, cache.k.copy()
     next(stream)
-    assert runner.k is buffer
-    changed = np.argwhere((runner.k != before).any(axis=(0, 1, 2, 4)))[:, 0]  # slots written by one step
+    assert cache.k is buffer
+    changed = np.argwhere((cache.k != before).any(axis=(0, 1, 2, 4)))[:, 0]  # slots written by one step
     assert 1 <= len(changed) <= draft.cfg.block_size
     assert changed.min() == 6  # right after the prompt: the anchor's slot
+
+
+def test_sessions_on_one_engine_interleave(bigram_case):
+    """Each session owns its cache: alternating two live sessions gives each its own right answer."""
+    hf, _, _, engine = bigram_case
+    a, b = _prompts(10, (5,), 64), _prompts(11, (8, 3), 64)
+    sa, sb = engine.session(a), engine.session(b)
+    first_a = sa.generate(SamplingParams(max_new_tokens=6))
+    first_b = sb.generate(SamplingParams(max_new_tokens=6))
+    second_a = sa.generate(SamplingParams(max_new_tokens=9))
+    second_b = sb.generate(SamplingParams(max_new_tokens=9))
+    assert first_a.output_ids[0] + second_a.output_ids[0] == hf_greedy(hf, a[0], 15)
+    assert [x + y for x, y in zip(first_b.output_ids, second_b.output_ids, strict=True)] == \
+        [hf_greedy(hf, p, 15) for p in b]

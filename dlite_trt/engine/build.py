@@ -12,6 +12,7 @@ never leaves a half-written engine or destroys the previous one.
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import tempfile
@@ -92,6 +93,10 @@ def _prepare_out(out: Path) -> None:
 
 def _install(tmp: Path, out: Path) -> None:
     """Move the finished build into place, replacing a previous engine only once the new one is complete."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [tmp, *tmp.rglob("*")]:  # mkdtemp and some writers create private (0700/0600) entries
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
     backup = None
     if out.exists():
         backup = out.with_name(f".{out.name}.old-{int(time.time())}")

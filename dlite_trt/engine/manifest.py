@@ -158,6 +158,9 @@ def load_manifest(engine_dir: Path, *, verify: bool = False) -> Manifest:
         raise EngineError(f"{path} must hold a JSON object; the engine is corrupt. Rebuild it.")
     manifest = Manifest.from_dict(data, str(path))
     for rel, record in manifest.files.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise EngineError(f"{path} lists the file {rel!r} outside the engine directory; the manifest is corrupt "
+                              "or was tampered with. Rebuild the engine.")
         file = engine_dir / rel
         if not file.is_file():
             raise EngineError(f"engine file {file} is missing; the engine directory is incomplete. Rebuild it.")

@@ -235,9 +235,14 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
 
 
 def dummy_inputs(graph: GraphSpec, sizes: Mapping[str, int], *, vocab_size: int,
-                 rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Valid random inputs for a graph at the given dim sizes (tests, tracing, TensorRT checks)."""
-    graph.check_sizes(sizes)
+                 rng: np.random.Generator, check: bool = True) -> dict[str, np.ndarray]:
+    """Valid random inputs for a graph at the given dim sizes (tests, tracing, TensorRT checks).
+
+    ``check=False`` allows sizes outside the engine's ranges (tracing uses fixed odd sizes;
+    the traced dims are dynamic, so they need not lie within the limits).
+    """
+    if check:
+        graph.check_sizes(sizes)
     feeds: dict[str, np.ndarray] = {}
     b = sizes["batch"]
     has_chunk = any(d.name == "chunk" for d in graph.dims)

@@ -50,7 +50,7 @@ class EngineGenerator:
 
 
 class EngineSession(SessionBase):
-    """A live batch on an engine. One session at a time per runner (it owns the runner's cache)."""
+    """A live batch on an engine; it owns its KV cache, so sessions on one engine can interleave."""
 
     def __init__(self, gen: EngineGenerator, prompts: Sequence[Sequence[int]]) -> None:
         super().__init__(prompts, gen.spec.vocab_size)
@@ -60,7 +60,7 @@ class EngineSession(SessionBase):
                               f"--max-batch {limits.max_batch}; split the batch or rebuild with a larger --max-batch.")
         self.gen = gen
         self.runner = gen.runner
-        self.runner.release_cache()  # a fresh cache for this session
+        self.cache = self.runner.new_cache(self.batch_size)
         self.k = gen.cfg.num_proposals
         self.g = gen.cfg.anchor_group_size
 
@@ -72,7 +72,7 @@ class EngineSession(SessionBase):
                               "with a larger --max-seq-len.")
         cap = min(math.ceil((longest + self.gen.cfg.block_size) / CAPACITY_ROUND) * CAPACITY_ROUND,
                   cache_capacity_max(self.gen.manifest.limits, self.gen.cfg.block_size))
-        self.runner.reserve(self.batch_size, cap)
+        self.cache.reserve(cap)
 
     # -- helpers -------------------------------------------------------------------------------
     def _host_uniforms(self, params: SamplingParams):
@@ -111,6 +111,12 @@ class EngineSession(SessionBase):
             prefix[row, self.g - 1 - len(tail):] = tail
         return prefix
 
+    def _call(self, graph: str, feeds: dict[str, Any], start: list[int], count: list[int]) -> dict[str, Any]:
+        """One engine call; then store the first count[b] new KV entries of row b at start[b]."""
+        out = self.runner.infer(graph, feeds, self.cache)
+        self.cache.store(out["new_key"], out["new_value"], start, count)
+        return out
+
     def _prefill(self, graph: str, feeds: dict[str, Any]) -> dict[str, Any]:
         out = {}
         for chunk in self._chunks():
@@ -119,8 +125,7 @@ class EngineSession(SessionBase):
                 call["chunk_len"] = chunk.chunk_len
             else:
                 call["output_index"] = (chunk.chunk_len - 1)[:, None]
-            out = self.runner.infer(graph, call)
-            self.runner.store_kv(chunk.past_len.tolist(), chunk.count)
+            out = self._call(graph, call, chunk.past_len.tolist(), chunk.count)
         self.cache_len = [len(t) for t in self.tokens]
         return out
 
@@ -150,9 +155,10 @@ class EngineSession(SessionBase):
                          "u_draft": uniforms(b, k)}
                 if prefix is not None:
                     feeds["group_prefix"] = prefix
-                out = self.runner.infer("step", feeds)
+                out = self.runner.infer("step", feeds, self.cache)
                 n = out["accepted"]
-                self.runner.store_kv(past_len.tolist(), [int(n[r]) + 1 if a else 0 for r, a in enumerate(self._active)])
+                self.cache.store(out["new_key"], out["new_value"], past_len.tolist(),
+                                 [int(n[r]) + 1 if a else 0 for r, a in enumerate(self._active)])
                 drafts, accepted, emitted = [], [], []
                 for row in range(b):
                     if not self._active[row]:
@@ -189,11 +195,10 @@ class EngineSession(SessionBase):
                 break
             with timer.time("decode"):
                 pos = np.array([len(t) - 1 for t in self.tokens], np.int64)
-                out = self.runner.infer("decode", {
+                out = self._call("decode", {
                     "input_ids": token[:, None].astype(np.int64), "past_len": pos,
                     "output_index": np.zeros((b, 1), np.int64), "temperature": temperature,
-                    "uniforms": uniforms(b, 1)})
-                self.runner.store_kv(pos.tolist(), [int(a) for a in self._active])
+                    "uniforms": uniforms(b, 1)}, pos.tolist(), [int(a) for a in self._active])
                 for row in range(b):
                     if self._active[row]:
                         self.cache_len[row] = int(pos[row]) + 1
