@@ -65,7 +65,22 @@ def throughput(engine, reference, prompts, new_tokens: int, rounds: int) -> dict
             "prompts": len(prompts), "prompt_tokens": len(prompts[0]), "new_tokens": new_tokens, "rounds": rounds}
 
 
+def step_times(stream) -> list[float]:
+    """Wall seconds of each engine call after the prefill, timed around the stream's iterator."""
+    next(stream)  # the prefill
+    times = []
+    while True:
+        start = time.perf_counter()
+        try:
+            next(stream)
+        except StopIteration:
+            return times
+        times.append(time.perf_counter() - start)
+
+
 def step_vs_decode(engine, tokenizer, contexts: list[int], steps: int, rounds: int) -> dict:
+    """Median time of a speculative step and of a target-only decode step (host work included),
+    both through the engine, per context length."""
     from dlite_trt.runtime.session import SamplingParams
 
     params = SamplingParams(max_new_tokens=steps)
@@ -73,14 +88,11 @@ def step_vs_decode(engine, tokenizer, contexts: list[int], steps: int, rounds: i
     for ctx in contexts:
         prompt = held_out_ids(tokenizer, ctx)
         spec_t, dec_t = [], []
-        engine.session([prompt]).generate(params)  # warm-up at this context
-        engine.session([prompt]).generate_target_only(params)
-        for _ in range(rounds):  # interleaved, median of rounds
-            r = engine.session([prompt]).generate(params)
-            spec_t.append(r.timings["step"] / len(r.steps))
-            r = engine.session([prompt]).generate_target_only(params)
-            dec_t.append(r.timings["decode"] / (len(r.output_ids[0]) - 1))
-        spec_s, dec_s = statistics.median(spec_t), statistics.median(dec_t)
+        for _ in range(rounds + 1):  # interleaved; the first round warms up this context's shapes
+            spec_t.append(step_times(engine.session([prompt]).stream(params)))
+            dec_t.append(step_times(engine.session([prompt]).stream_target_only(params)))
+        spec_s = statistics.median(t for run in spec_t[1:] for t in run)
+        dec_s = statistics.median(t for run in dec_t[1:] for t in run)
         rows[str(ctx)] = {"speculative_step_ms": spec_s * 1e3, "decode_step_ms": dec_s * 1e3,
                           "ratio": spec_s / dec_s}
     base = rows[str(contexts[0])]["ratio"]

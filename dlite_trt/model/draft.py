@@ -29,7 +29,7 @@ class DraftAttention(nn.Module):
 
     def forward(self, a: torch.Tensor, ctx: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor,
                 cos_k: torch.Tensor, sin_k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """a [B, Q, H] normed queries; ctx [B, S, H]; allowed [B, Q, S+Q] -> [B, Q, H]."""
+        """a [B, Q, H] normed queries; ctx [B, S, H]; allowed [B, 1, S+Q] (per key) -> [B, Q, H]."""
         b, nq, _ = a.shape
         d = self.head_dim
         q = self.q_norm(self.q_proj(a).view(b, nq, -1, d)).transpose(1, 2)  # [B, nH, Q, D]
@@ -37,7 +37,7 @@ class DraftAttention(nn.Module):
         k = self.k_norm(self.k_proj(kv_in).view(b, kv_in.shape[1], -1, d)).transpose(1, 2)
         v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, d).transpose(1, 2)
         q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos_k, sin_k)
-        return self.o_proj(attention(q, (k,), (v,), allowed, d ** -0.5))
+        return self.o_proj(attention(q, (k,), (v,), (allowed,), d ** -0.5))
 
 
 class DraftLayer(nn.Module):
@@ -104,7 +104,7 @@ class DLiteDraft(nn.Module):
         cos_k, sin_k = rope_cos_sin(torch.cat([c_pos, q_pos], dim=1), cfg.head_dim, cfg.rope_theta, x.dtype)
         # Non-causal: every query sees every context slot and every valid (non-pad) query.
         key_ok = torch.cat([torch.ones(b, s, dtype=torch.bool, device=chs.device), slot[None, :] >= pad], dim=1)
-        allowed = key_ok[:, None, :].expand(b, g + k_props, s + g + k_props)  # [B, G+K, S+G+K]
+        allowed = key_ok[:, None, :]  # [B, 1, S+G+K]: the same keys for every query
         rope = (cos_q, sin_q, cos_k, sin_k)
         for layer in self.layers:
             x = layer(x, ctx, rope, allowed)

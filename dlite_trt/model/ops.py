@@ -64,24 +64,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-              allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query attention over key/value chunks with an explicit boolean mask.
+              masks: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+    """Grouped-query attention over key/value chunks, each with its own boolean mask.
 
     q [B, nH, T, D]; keys[i], values[i] [B, kvH, L_i, D] (e.g. a KV cache view and the new
-    block: they are never concatenated, so no cache-sized copy is made); allowed [B, T, sum L_i]
-    (True = may attend). Returns [B, T, nH * D]. Each query row must allow at least one key.
+    block: they are never concatenated, so no cache-sized copy is made); masks[i] bool,
+    broadcastable to [B, T, L_i] (True = may attend; a cache chunk's mask is [B, 1, L] since
+    it depends only on the key). Returns [B, T, nH * D]. Each query row must allow at least one
+    key. Masks are applied as additive 0 / finfo.min biases built at mask size and broadcast,
+    so each chunk's scores get one pass: at long contexts these passes, not the matmuls, cost most.
     """
-    if len(keys) != len(values) or sum(k.shape[2] for k in keys) != allowed.shape[-1]:
-        raise ValueError(f"{len(keys)} key chunks, {len(values)} value chunks and a mask over "
-                         f"{allowed.shape[-1]} keys do not agree (key lengths {[k.shape[2] for k in keys]})")
+    if not len(keys) == len(values) == len(masks):
+        raise ValueError(f"{len(keys)} key chunks, {len(values)} value chunks and {len(masks)} masks must agree")
     b, n_heads, t, d = q.shape
     kv_heads = keys[0].shape[1]
     groups = n_heads // kv_heads
-    qg = q.reshape(b, kv_heads, groups * t, d)  # heads of one kv group stacked along T
-    scores = torch.cat([torch.matmul(qg, k.transpose(-1, -2)) for k in keys], dim=-1).float() * scale
-    scores = scores.reshape(b, kv_heads, groups, t, -1)  # [B, kvH, g, T, L]
-    scores = scores.masked_fill(~allowed[:, None, None, :, :], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).to(values[0].dtype).reshape(b, kv_heads, groups * t, -1)
+    # heads of one kv group stacked along T; the scale is applied to q (T x D values), not to
+    # the T x L scores
+    qg = (q * scale).reshape(b, kv_heads, groups * t, d)
+    neg = torch.finfo(torch.float32).min
+    chunks = []
+    for k, mask in zip(keys, masks, strict=True):
+        if mask.ndim != 3 or mask.shape[-1] != k.shape[2]:
+            raise ValueError(f"a mask must be [B|1, T|1, L] over its chunk's {k.shape[2]} keys, got {tuple(mask.shape)}")
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float().reshape(b, kv_heads, groups, t, -1)
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill(~mask, neg)
+        chunks.append(scores + bias[:, None, None])  # [B, kvH, g, T, L_i]
+    probs = torch.softmax(torch.cat(chunks, dim=-1), dim=-1).to(values[0].dtype).reshape(b, kv_heads, groups * t, -1)
     if len(values) == 1:
         out = torch.matmul(probs, values[0])
     else:  # sum the chunks' partial outputs in fp32, round once

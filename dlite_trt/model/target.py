@@ -67,8 +67,7 @@ class TargetAdapter(nn.Module):
         cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, x.dtype)
         # Keys: P cached entries (valid below past_len) then the T new ones (causal).
         past_ok = torch.arange(p, device=x.device)[None, None, :] < past_len[:, None, None]  # [B, 1, P]
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()  # [T, T]
-        allowed = torch.cat([past_ok.expand(b, t, p), causal.expand(b, t, t)], dim=-1)  # [B, T, P+T]
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None]  # [1, T, T]
         scale = spec.head_dim ** -0.5
         n_layers = spec.num_hidden_layers
         gather = output_index[:, :, None].expand(-1, -1, spec.hidden_size)  # [B, R, H]
@@ -82,7 +81,7 @@ class TargetAdapter(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             new_k.append(k)
             new_v.append(v)
-            x = x + attn.o_proj(attention(q, (past_k[i], k), (past_v[i], v), allowed, scale))
+            x = x + attn.o_proj(attention(q, (past_k[i], k), (past_v[i], v), (past_ok, causal), scale))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.layer_ids and i != n_layers - 1:
                 selected[i] = torch.gather(x, 1, gather)
