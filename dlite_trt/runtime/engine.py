@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
 from dlite_trt.export.contract import cache_capacity_max
-from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent, Uniforms
-from dlite_trt.runtime.stats import GenerationResult, StageTimer, StepRecord
+from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent, Uniforms
+from dlite_trt.runtime.stats import StageTimer, StepRecord
 
 CAPACITY_ROUND = 128  # KV slots are reserved in multiples of this
 
@@ -35,7 +36,7 @@ class _Chunk:
     count: list[int]  # [B] entries to store (0 for rows with nothing in this call)
 
 
-class EngineGenerator:
+class EngineGenerator(GeneratorBase):
     def __init__(self, runner: Any, manifest: Manifest) -> None:
         self.runner = runner
         self.manifest = manifest
@@ -44,9 +45,6 @@ class EngineGenerator:
 
     def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:
         return EngineSession(self, prompts)
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
-        return self.session(prompts).generate(params)
 
 
 class EngineSession(SessionBase):
@@ -72,7 +70,7 @@ class EngineSession(SessionBase):
                               "with a larger --max-seq-len.")
         cap = min(math.ceil((longest + self.gen.cfg.block_size) / CAPACITY_ROUND) * CAPACITY_ROUND,
                   cache_capacity_max(self.gen.manifest.limits, self.gen.cfg.block_size))
-        self.cache.reserve(cap)
+        self.cache.ensure_capacity(cap, max_capacity=cap)  # exactly what this generate needs
 
     # -- helpers -------------------------------------------------------------------------------
     def _host_uniforms(self, params: SamplingParams):
@@ -114,8 +112,11 @@ class EngineSession(SessionBase):
     def _call(self, graph: str, feeds: dict[str, Any], start: list[int], count: list[int]) -> dict[str, Any]:
         """One engine call; then store the first count[b] new KV entries of row b at start[b]."""
         out = self.runner.infer(graph, feeds, self.cache)
-        self.cache.store(out["new_key"], out["new_value"], start, count)
+        self._store(out, start, count)
         return out
+
+    def _store(self, out: dict[str, Any], start: list[int], count: list[int]) -> None:
+        self.cache.write(torch.from_numpy(out["new_key"]), torch.from_numpy(out["new_value"]), start, count)
 
     def _prefill(self, graph: str, feeds: dict[str, Any]) -> dict[str, Any]:
         out = {}
@@ -157,8 +158,7 @@ class EngineSession(SessionBase):
                     feeds["group_prefix"] = prefix
                 out = self.runner.infer("step", feeds, self.cache)
                 n = out["accepted"]
-                self.cache.store(out["new_key"], out["new_value"], past_len.tolist(),
-                                 [int(n[r]) + 1 if a else 0 for r, a in enumerate(self._active)])
+                self._store(out, past_len.tolist(), [int(n[r]) + 1 if a else 0 for r, a in enumerate(self._active)])
                 drafts, accepted, emitted = [], [], []
                 for row in range(b):
                     if not self._active[row]:

@@ -22,11 +22,18 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[3]
 
-    def ensure_capacity(self, needed: int) -> None:
-        """Grow (doubling) when a session outgrows its buffer; amortised O(1) per token."""
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def ensure_capacity(self, needed: int, max_capacity: int | None = None) -> None:
+        """Grow (doubling, up to ``max_capacity``) when a session outgrows its buffer; amortised
+        O(1) per token. What is cached is kept."""
         if needed <= self.capacity:
             return
         new_cap = max(needed, 2 * self.capacity)
+        if max_capacity is not None:
+            new_cap = max(needed, min(new_cap, max_capacity))
         for name in ("k", "v"):
             old = getattr(self, name)
             grown = old.new_zeros(*old.shape[:3], new_cap, old.shape[4])

@@ -1,9 +1,9 @@
 """Runs an engine directory's graphs on ONNX Runtime, with the KV cache bound in place.
 
-A session's target KV cache (``HostKVCache``) is one preallocated buffer per K and V,
-[L, B, kvH, cap, D]. Each graph input ``past_key.{i}`` is bound (IOBinding) to layer i's
-contiguous slice of that buffer, so no call copies the cache; ``HostKVCache.store`` writes only
-the entries a call keeps (the accepted block, a prefill chunk) into their slots: O(block) per
+A session's target KV cache (``runtime.kv_cache.KVCache`` on the CPU) is one preallocated
+buffer per K and V, [L, B, kvH, cap, D]. Each graph input ``past_key.{i}`` is bound (IOBinding)
+to layer i's contiguous slice of that buffer, so no call copies the cache; ``KVCache.write``
+stores only the entries a call keeps (the accepted block, a prefill chunk): O(block) per
 step. Rejected entries are never written: they are discarded by the sequences' lengths
 (``past_len``).
 
@@ -16,55 +16,21 @@ back as inputs of the next call without a host round trip.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
 from dlite_trt.export.contract import kv_input
+from dlite_trt.runtime.kv_cache import KVCache
 
 DEVICE_OUTPUTS = frozenset({"next_draft_logits"})  # fed back to the next step as ``draft_logits``
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
-
-
-class HostKVCache:
-    """A batch's target KV cache in host memory: k, v [L, B, kvH, capacity, D]."""
-
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype: np.dtype) -> None:
-        self._shape = (num_layers, batch, kv_heads, 0, head_dim)
-        self.k = np.zeros(self._shape, dtype)
-        self.v = np.zeros(self._shape, dtype)
-
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[3]
-
-    def reserve(self, capacity: int) -> None:
-        """Make room for ``capacity`` slots per sequence, keeping what is cached (grows, never shrinks)."""
-        if capacity <= self.capacity:
-            return
-        shape = (*self._shape[:3], capacity, self._shape[4])
-        k, v = np.zeros(shape, self.k.dtype), np.zeros(shape, self.v.dtype)
-        k[:, :, :, : self.capacity] = self.k  # growth: at most once per generate call
-        v[:, :, :, : self.capacity] = self.v
-        self.k, self.v = k, v
-
-    def store(self, new_k: np.ndarray, new_v: np.ndarray, start: Sequence[int], count: Sequence[int]) -> None:
-        """new_k/new_v [L, B, kvH, T, D]: row b's first count[b] entries go to slots start[b]..."""
-        for row, (s, n) in enumerate(zip(start, count, strict=True)):
-            if n <= 0:
-                continue
-            if s + n > self.capacity:
-                raise EngineError(f"KV write past the cache: row {row} needs {s + n} > {self.capacity} slots")
-            self.k[:, row, :, s : s + n] = new_k[:, row, :, :n]
-            self.v[:, row, :, s : s + n] = new_v[:, row, :, :n]
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 class OrtRunner:
@@ -77,7 +43,7 @@ class OrtRunner:
         self.threads = threads
         self.sessions: dict[str, Any] = {}
         self._bindings: dict[str, Any] = {}
-        self._bound: dict[str, np.ndarray] = {}  # graph -> the K buffer its cache inputs are bound to
+        self._bound: dict[str, torch.Tensor] = {}  # graph -> the K buffer its cache inputs are bound to
         self.engine_seconds = 0.0  # time inside run_with_iobinding, accumulated
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -109,13 +75,13 @@ class OrtRunner:
     def __exit__(self, *exc: object) -> None:
         self.deactivate()
 
-    def new_cache(self, batch: int) -> HostKVCache:
+    def new_cache(self, batch: int) -> KVCache:
         spec = self.manifest.target_spec
-        return HostKVCache(spec.num_hidden_layers, batch, spec.num_key_value_heads, spec.head_dim,
-                           NUMPY_DTYPES[self.manifest.dtype])
+        return KVCache(spec.num_hidden_layers, batch, spec.num_key_value_heads, spec.head_dim, capacity=0,
+                       dtype=TORCH_DTYPES[self.manifest.dtype])
 
     # -- calls -----------------------------------------------------------------------------------
-    def infer(self, graph: str, feeds: Mapping[str, Any], cache: HostKVCache) -> dict[str, Any]:
+    def infer(self, graph: str, feeds: Mapping[str, Any], cache: KVCache) -> dict[str, Any]:
         """Run one graph on ``cache``. ``feeds`` holds every other input (numpy arrays, or values
         this runner returned)."""
         import onnxruntime as ort
@@ -150,13 +116,14 @@ class OrtRunner:
         values = io.get_outputs()
         return {t.name: (v if t.name in DEVICE_OUTPUTS else v.numpy()) for t, v in zip(spec.outputs, values, strict=True)}
 
-    def _bind_cache(self, graph: str, cache: HostKVCache) -> None:
+    def _bind_cache(self, graph: str, cache: KVCache) -> None:
         """Bind each past_key.{i}/past_value.{i} to layer i's slice of the cache buffer (no copy)."""
         io = self._bindings[graph]
         io.clear_binding_inputs()
+        dtype = NUMPY_DTYPES[self.manifest.dtype]
         for t in self.contract[graph].inputs:
             kv = kv_input(t.name)
             if kv is not None:
                 buf = (cache.k if kv[0] == "key" else cache.v)[kv[1]]  # contiguous [B, kvH, cap, D]
-                io.bind_input(t.name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
+                io.bind_input(t.name, "cpu", 0, dtype, tuple(buf.shape), buf.data_ptr())
         self._bound[graph] = cache.k

@@ -25,11 +25,11 @@ from dlite_trt.runtime.sampling import (
     rejection_accept,
     sample_from_logits,
 )
-from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent
-from dlite_trt.runtime.stats import GenerationResult, StageTimer, StepRecord
+from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent
+from dlite_trt.runtime.stats import StageTimer, StepRecord
 
 
-class SpeculativeGenerator:
+class SpeculativeGenerator(GeneratorBase):
     """Target + DLite draft in PyTorch."""
 
     def __init__(self, target: TargetAdapter, draft: DLiteDraft) -> None:
@@ -41,9 +41,6 @@ class SpeculativeGenerator:
 
     def session(self, prompts: Sequence[Sequence[int]]) -> Session:
         return Session(self, prompts)
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
-        return self.session(prompts).generate(params)
 
 
 class Session(SessionBase):

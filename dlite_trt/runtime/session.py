@@ -143,3 +143,14 @@ class SessionBase:
         # token always stays uncached so the next generate has a suffix to start from.
         self.cache_len[row] = min(self.cache_len[row], len(self.tokens[row]) - 1)
         return tuple(kept)
+
+
+class GeneratorBase:
+    """What every backend's generator offers: sessions, and one-shot generation."""
+
+    def session(self, prompts: Sequence[Sequence[int]]) -> SessionBase:
+        raise NotImplementedError
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
+        """Speculative decoding of a batch from scratch (a fresh session)."""
+        return self.session(prompts).generate(params)
