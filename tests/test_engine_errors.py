@@ -129,16 +129,16 @@ def _manifest_not_json(d: Path) -> None:
 
 
 def _missing_graph(d: Path) -> None:
-    (d / "onnxruntime" / "step.onnx").unlink()
+    (d / "graphs" / "step.ort.onnx").unlink()
 
 
 def _truncated_weights(d: Path) -> None:
-    path = d / "onnxruntime" / "step.onnx.data"
+    path = d / "graphs" / "weights.bin"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 def _flipped_graph(d: Path) -> None:
-    flip_byte(d / "onnx" / "step.onnx")  # not loaded by the ORT runner: only the sha256 can catch it
+    flip_byte(d / "graphs" / "step.onnx")  # not loaded by the ORT runner: only the sha256 can catch it
 
 
 def _edited_target_config(d: Path) -> None:
@@ -153,9 +153,9 @@ def _edited_target_config(d: Path) -> None:
 CORRUPTIONS = {
     "no_manifest": (_no_manifest, ("no manifest.json", "not an engine directory", "dlite-trt build")),
     "manifest_not_json": (_manifest_not_json, ("manifest.json is not valid JSON", "corrupt", "Rebuild")),
-    "missing_file": (_missing_graph, ("onnxruntime/step.onnx is missing", "incomplete", "Rebuild")),
-    "truncated_file": (_truncated_weights, ("onnxruntime/step.onnx.data has", "bytes", "truncated", "Rebuild")),
-    "flipped_graph": (_flipped_graph, ("onnx/step.onnx does not match its sha256", "corrupt", "Rebuild")),
+    "missing_file": (_missing_graph, ("graphs/step.ort.onnx is missing", "incomplete", "Rebuild")),
+    "truncated_file": (_truncated_weights, ("graphs/weights.bin has", "bytes", "truncated", "Rebuild")),
+    "flipped_graph": (_flipped_graph, ("graphs/step.onnx does not match its sha256", "corrupt", "Rebuild")),
     "edited_config": (_edited_target_config, ("target/config.json does not match its sha256", "Rebuild")),
 }
 
@@ -176,6 +176,44 @@ def test_manifest_from_incompatible_version(runner, engine_copy):
     path.write_text(json.dumps(data))
     assert_engine_error(engine_copy, runner, "engine format 999", f"reads format {FORMAT_VERSION}",
                         "Rebuild the engine", "dlite-trt build")
+
+
+def _edit(data: dict, path: list, value) -> None:
+    """Set data[path...] = value, or delete that key when value is DELETE."""
+    for key in path[:-1]:
+        data = data[key]
+    if value is DELETE:
+        del data[path[-1]]
+    else:
+        data[path[-1]] = value
+
+
+DELETE = object()
+MANIFEST_EDITS = {
+    "unknown_dtype": (["dtype"], "bf16", ("dtype 'bf16'", "Rebuild")),
+    "graph_missing": (["graphs", "step"], DELETE, ("lists graphs", "corrupt", "Rebuild")),
+    "contract_missing": (["contract", "step"], DELETE, ("contracts", "corrupt", "Rebuild")),
+    "block_size_edited": (["draft", "config", "block_size"], 6, ("I/O contract does not match", "Rebuild")),
+    "graph_outside": (["graphs", "step", "runtime"], "../elsewhere/step.onnx", ("not among the manifest's hashed",)),
+    "no_file_records": (["files"], {}, ("not among the manifest's hashed", "Rebuild")),
+}
+
+
+@pytest.mark.parametrize("edit", list(MANIFEST_EDITS))
+def test_edited_manifest_is_refused(runner, engine_copy, edit):
+    """Fields that must agree with each other (and with the files) are checked, with no traceback."""
+    path, value, fragments = MANIFEST_EDITS[edit]
+    data = json.loads((engine_copy / MANIFEST).read_text())
+    _edit(data, path, value)
+    (engine_copy / MANIFEST).write_text(json.dumps(data))
+    assert_engine_error(engine_copy, runner, *fragments)
+
+
+def test_file_record_outside_the_engine_is_refused(runner, engine_copy):
+    data = json.loads((engine_copy / MANIFEST).read_text())
+    data["files"]["../outside.bin"] = {"bytes": 1, "sha256": "0" * 64}
+    (engine_copy / MANIFEST).write_text(json.dumps(data))
+    assert_engine_error(engine_copy, runner, "outside the engine directory", "Rebuild")
 
 
 # --------------------------------------------------------------------------- the target and draft it was built from
@@ -402,3 +440,16 @@ def test_engine_files_are_readable_by_others(engine_dir):
     for path in [engine_dir, *engine_dir.rglob("*")]:
         want = (0o777 if path.is_dir() else 0o666) & ~umask
         assert path.stat().st_mode & 0o777 == want, path
+
+
+def test_verify_hashes_large_files(runner, engine_copy, monkeypatch):
+    """Files above the hash-at-load size are only size-checked, unless --verify."""
+    import dlite_trt.engine.manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "HASH_AT_LOAD_MAX_BYTES", 0)  # treat every file as large
+    flip_byte(engine_copy / "graphs" / "weights.bin")
+    load_manifest(engine_copy)  # same size: passes without hashing
+    result = generate_engine(runner, engine_copy, "--verify", "--input-ids", "5,6,7", "--max-new-tokens", "2")
+    assert_clean_error(result, "graphs/weights.bin does not match its sha256", "Rebuild", exit_code=1)
+    usage = runner.invoke(main, ["generate", "--verify", "--target", "x", "--draft", "y", "--input-ids", "1"])
+    assert usage.exit_code == 2 and "--verify checks an engine directory" in usage.output

@@ -157,3 +157,25 @@ def test_sessions_on_one_engine_interleave(bigram_case):
     assert first_a.output_ids[0] + second_a.output_ids[0] == hf_greedy(hf, a[0], 15)
     assert [x + y for x, y in zip(first_b.output_ids, second_b.output_ids, strict=True)] == \
         [hf_greedy(hf, p, 15) for p in b]
+
+
+def test_fp16_engine(tmp_path):
+    """An fp16 engine builds, keeps an fp16 cache, and decodes like the fp16 reference generator
+    (same dtype, same numerics tier); on this well-separated target both equal fp32 greedy."""
+    from dlite_trt.loading import load_pair
+
+    hf, spec = near_bigram_target(64, seed=21)
+    draft = bigram_draft(hf, draft_config(spec, block_size=8, anchor_group_size=2))
+    hf.save_pretrained(tmp_path / "target")
+    save_draft(draft, tmp_path / "draft")
+    build_engine(tmp_path / "target", tmp_path / "draft", tmp_path / "engine",
+                 BuildSettings(dtype="fp16", limits=EngineLimits(max_batch=4, max_seq_len=128, max_chunk=8)),
+                 progress=False)
+    engine = open_engine(tmp_path / "engine")
+    prompts = _prompts(12, (6, 15), 64)
+    session = engine.session(prompts)
+    result = session.generate(SamplingParams(max_new_tokens=NEW))
+    assert session.cache.k.dtype == torch.float16 and engine.manifest.dtype == "fp16"
+    reference = load_pair(tmp_path / "target", tmp_path / "draft", dtype="fp16").generator
+    assert result.output_ids == reference.generate(prompts, SamplingParams(max_new_tokens=NEW)).output_ids
+    assert result.output_ids == [hf_greedy(hf, p, NEW) for p in prompts]

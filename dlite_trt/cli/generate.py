@@ -25,6 +25,8 @@ def _parse_ids(value: str) -> list[int]:
 @click.command("generate")
 @click.option("--engine", type=click.Path(path_type=Path, file_okay=False),
               help="Engine directory from `dlite-trt build`. With --target/--draft, checks it was built from them.")
+@click.option("--verify", is_flag=True,
+              help="With --engine: hash every engine file (by default files above 64 MiB are only size-checked).")
 @click.option("--target", help="Qwen3 model directory or preset name (qwen3-8b, ...).")
 @click.option("--draft", type=click.Path(path_type=Path), help="dlite_v1 draft checkpoint directory.")
 @click.option("--prompt", help="Prompt text (tokenized with the target's tokenizer).")
@@ -40,7 +42,7 @@ def _parse_ids(value: str) -> list[int]:
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", is_flag=True, help="Include each step's draft tokens and accepted count.")
-def command(engine: Path | None, target: str | None, draft: Path | None, prompt: str | None,
+def command(engine: Path | None, verify: bool, target: str | None, draft: Path | None, prompt: str | None,
             input_ids: str | None, max_new_tokens: int, temperature: float, seed: int | None, chat: bool, ignore_eos: bool, dtype: str | None,
             random_weights: bool, as_json: bool, trace: bool) -> None:
     """Generate with a Qwen3 target and a DLite draft (speculative decoding)."""
@@ -50,6 +52,8 @@ def command(engine: Path | None, target: str | None, draft: Path | None, prompt:
 
     if engine is None and (target is None or draft is None):
         raise click.UsageError("pass --engine DIR, or both --target and --draft")
+    if verify and engine is None:
+        raise click.UsageError("--verify checks an engine directory; pass --engine DIR")
 
     from transformers.utils import logging as hf_logging
 
@@ -60,7 +64,7 @@ def command(engine: Path | None, target: str | None, draft: Path | None, prompt:
     if engine is not None:
         from dlite_trt.engine.load import load_engine
 
-        pair = load_engine(engine, target=target, draft=draft, random_weights=random_weights)
+        pair = load_engine(engine, target=target, draft=draft, random_weights=random_weights, verify=verify)
         if dtype is not None and dtype != pair.generator.manifest.dtype:
             raise click.UsageError(f"the engine was built for {pair.generator.manifest.dtype}; drop --dtype "
                                    "or rebuild the engine with that --dtype")

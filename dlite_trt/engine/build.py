@@ -2,8 +2,9 @@
 
 Layout of an engine directory (backend onnxruntime):
     manifest.json                 build settings, versions, I/O contract, hashes (engine/manifest.py)
-    onnx/{prefill,step,decode}.onnx (+ .onnx.data)   the exported graphs (ORT lowering)
-    onnxruntime/{...}.onnx (+ .onnx.data)            the same, optimized by ONNX Runtime
+    graphs/{prefill,step,decode}.onnx      the exported graphs (ORT lowering of LowRankRecurrence)
+    graphs/{prefill,step,decode}.ort.onnx  the same, optimized by ONNX Runtime
+    graphs/weights.bin            every weight of those six graphs, each distinct tensor once
     target/                       the target's config, generation config and tokenizer (no weights)
     draft/config.json             the draft's config
 The directory is built next to ``out`` and moved into place when complete, so a failed build
@@ -22,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from dlite_trt.engine.manifest import (
+    BACKEND_DTYPES,
     MANIFEST,
     Manifest,
     checkpoint_sha256,
@@ -29,12 +31,13 @@ from dlite_trt.engine.manifest import (
     random_target_id,
     write_manifest,
 )
+from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
 from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, engine_contract
 
-BACKENDS = ("onnxruntime",)
-BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16")}
+BACKENDS = tuple(BACKEND_DTYPES)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
+GRAPH_DIR = "graphs"
 RANDOM_SEED = 0  # build_hf_model's default seed for --random-weights targets
 
 
@@ -101,7 +104,12 @@ def _install(tmp: Path, out: Path) -> None:
     if out.exists():
         backup = out.with_name(f".{out.name}.old-{int(time.time())}")
         out.rename(backup)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if backup is not None:  # put the previous engine back
+            backup.rename(out)
+        raise
     if backup is not None:
         shutil.rmtree(backup)
 
@@ -132,13 +140,13 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
             graphs = {}
             for name in GRAPH_NAMES:
                 advance(f"exporting the {name} graph")
-                onnx_rel, ort_rel = f"onnx/{name}.onnx", f"onnxruntime/{name}.onnx"
+                onnx_rel, ort_rel = f"{GRAPH_DIR}/{name}.onnx", f"{GRAPH_DIR}/{name}.ort.onnx"
                 export_graph(contract[name], pair.generator.target, pair.generator.draft, tmp / onnx_rel)
                 advance(f"optimizing the {name} graph for ONNX Runtime")
-                (tmp / ort_rel).parent.mkdir(exist_ok=True)
                 optimize_for_onnxruntime(tmp / onnx_rel, tmp / ort_rel)
                 graphs[name] = {"onnx": onnx_rel, "runtime": ort_rel}
-            advance("hashing weights and files")
+            advance("sharing weights between graphs, hashing files")
+            pack_weights([tmp / rel for paths in graphs.values() for rel in paths.values()])
             _copy_configs(pair.source.path, tmp / "target")
             (tmp / "draft").mkdir()
             shutil.copy2(Path(draft) / "config.json", tmp / "draft" / "config.json")

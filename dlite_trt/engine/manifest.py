@@ -18,12 +18,13 @@ from typing import Any
 from dlite_trt import __version__
 from dlite_trt.config import DraftConfig, TargetSpec
 from dlite_trt.errors import DLiteError, EngineError
-from dlite_trt.export.contract import EngineLimits, GraphSpec
+from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, GraphSpec, engine_contract
 
 MANIFEST = "manifest.json"
 FORMAT = "dlite-trt-engine"
 FORMAT_VERSION = 1  # bump when the graph I/O or directory layout changes incompatibly
 HASH_AT_LOAD_MAX_BYTES = 64 << 20  # files up to this size are hashed on every load; larger ones on verify
+BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16")}  # what each backend builds
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -97,6 +98,25 @@ class Manifest:
             "build": self.build,
         }
 
+    def check_consistent(self, where: str) -> None:
+        """The fields agree with each other: backend/dtype known, one file per graph listed in
+        ``files``, and the stored contract equal to the one the configs and limits give."""
+        if self.dtype not in BACKEND_DTYPES.get(self.backend, ()):
+            raise EngineError(f"{where}: backend {self.backend!r} with dtype {self.dtype!r} is not something this "
+                              f"dlite-trt runs ({BACKEND_DTYPES}). Rebuild the engine.")
+        if set(self.graphs) != set(GRAPH_NAMES) or set(self.contract) != set(GRAPH_NAMES):
+            raise EngineError(f"{where} lists graphs {sorted(self.graphs)} / contracts {sorted(self.contract)}, "
+                              f"expected {list(GRAPH_NAMES)}; the manifest is corrupt. Rebuild the engine.")
+        for name, paths in self.graphs.items():
+            missing = [rel for rel in paths.values() if rel not in self.files]
+            if missing:
+                raise EngineError(f"{where}: graph files {missing} of {name} are not among the manifest's hashed files; "
+                                  "the manifest is corrupt. Rebuild the engine.")
+        want = engine_contract(self.target_spec, self.draft_config, self.limits, self.dtype)
+        if {n: g.to_dict() for n, g in want.items()} != {n: g.to_dict() for n, g in self.contract.items()}:
+            raise EngineError(f"{where}: the I/O contract does not match the target/draft configs and limits it "
+                              "records; the manifest was edited or is corrupt. Rebuild the engine.")
+
     @classmethod
     def from_dict(cls, data: Mapping, where: str) -> Manifest:
         try:
@@ -108,7 +128,7 @@ class Manifest:
                     f"{where} was written by dlite-trt {data.get('dlite_trt_version', '?')} in engine format "
                     f"{version}; this dlite-trt {__version__} reads format {FORMAT_VERSION}. Rebuild the engine "
                     "with `dlite-trt build`.")
-            return cls(
+            manifest = cls(
                 backend=data["backend"], dtype=data["dtype"], limits=EngineLimits(**data["limits"]),
                 target_name=data["target"]["name"],
                 target_spec=TargetSpec.from_hf_config(data["target"]["config"], where=f"{where} target"),
@@ -119,6 +139,8 @@ class Manifest:
                 contract={name: GraphSpec.from_dict(name, g) for name, g in data["contract"].items()},
                 files=dict(data["files"]), versions=dict(data["versions"]), build=dict(data["build"]),
                 dlite_trt_version=data["dlite_trt_version"], format_version=version)
+            manifest.check_consistent(where)
+            return manifest
         except EngineError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -43,26 +43,43 @@ class OrtRunner:
         self.threads = threads
         self.sessions: dict[str, Any] = {}
         self._bindings: dict[str, Any] = {}
-        self._bound: dict[str, torch.Tensor] = {}  # graph -> the K buffer its cache inputs are bound to
+        self._bound: dict[str, tuple] = {}  # graph -> (K ptr, V ptr, shape) its cache inputs are bound to
         self.engine_seconds = 0.0  # time inside run_with_iobinding, accumulated
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def activate(self) -> OrtRunner:
+    def activate(self, graphs: tuple[str, ...] = ("prefill", "step")) -> OrtRunner:
+        """Load ``graphs`` now (the speculative path); others load on first use (``decode`` is only
+        needed for target-only decoding, and every session holds its own prepacked weights)."""
+        for name in graphs:
+            self._session(name)
+        return self
+
+    def _session(self, name: str) -> Any:
+        if name in self.sessions:
+            return self.sessions[name]
         import onnxruntime as ort
 
+        path = self.engine_dir / self.manifest.graphs[name]["runtime"]
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if self.threads:
             so.intra_op_num_threads = self.threads
-        for name, files in self.manifest.graphs.items():
-            path = self.engine_dir / files["runtime"]
-            try:
-                self.sessions[name] = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-            except Exception as exc:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
-                raise EngineError(f"ONNX Runtime cannot load {path}: {exc}. The engine is corrupt or was built by "
-                                  "an incompatible version; rebuild it with `dlite-trt build`.") from exc
-            self._bindings[name] = self.sessions[name].io_binding()
-        return self
+        try:
+            session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
+            raise EngineError(f"ONNX Runtime cannot load {path}: {exc}. The engine is corrupt or was built by "
+                              "an incompatible version; rebuild it with `dlite-trt build`.") from exc
+        self._check_io(name, session, path)
+        self.sessions[name] = session
+        self._bindings[name] = session.io_binding()
+        return session
+
+    def _check_io(self, name: str, session: Any, path: Path) -> None:
+        spec = self.contract[name]
+        got = ([i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()])
+        if got != (spec.input_names, spec.output_names):
+            raise EngineError(f"{path} takes {got[0]} and returns {got[1]}, but the manifest's I/O contract says "
+                              f"{spec.input_names} -> {spec.output_names}; the engine is inconsistent. Rebuild it.")
 
     def deactivate(self) -> None:
         self.sessions.clear()
@@ -86,11 +103,10 @@ class OrtRunner:
         this runner returned)."""
         import onnxruntime as ort
 
-        if not self.sessions:
-            raise EngineError("the runner is not active; call activate() (or use it in a with block).")
         spec = self.contract[graph]
+        session = self._session(graph)
         io = self._bindings[graph]
-        if self._bound.get(graph) is not cache.k:  # another session's cache, or it grew
+        if self._bound.get(graph) != _buffers(cache):  # another session's cache, or it grew
             self._bind_cache(graph, cache)
         keep = []  # bound host arrays must outlive the run
         for t in spec.inputs:
@@ -110,7 +126,10 @@ class OrtRunner:
         for t in spec.outputs:
             io.bind_output(t.name, "cpu")
         started = time.perf_counter()
-        self.sessions[graph].run_with_iobinding(io)
+        try:
+            session.run_with_iobinding(io)
+        except Exception as exc:  # ORT's own error types (Fail, InvalidArgument, RuntimeException)
+            raise EngineError(f"ONNX Runtime failed in the {graph} graph of {self.engine_dir}: {exc}") from exc
         self.engine_seconds += time.perf_counter() - started
         del keep
         values = io.get_outputs()
@@ -126,4 +145,9 @@ class OrtRunner:
             if kv is not None:
                 buf = (cache.k if kv[0] == "key" else cache.v)[kv[1]]  # contiguous [B, kvH, cap, D]
                 io.bind_input(t.name, "cpu", 0, dtype, tuple(buf.shape), buf.data_ptr())
-        self._bound[graph] = cache.k
+        self._bound[graph] = _buffers(cache)
+
+
+def _buffers(cache: KVCache) -> tuple:
+    """What a binding points at: rebinding is needed when the addresses or the shape change."""
+    return cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape)
