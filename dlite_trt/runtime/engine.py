@@ -22,8 +22,8 @@ import torch
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
 from dlite_trt.export.contract import cache_capacity_max
-from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent, Uniforms
-from dlite_trt.runtime.stats import StageTimer, StepRecord
+from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent
+from dlite_trt.runtime.stats import StageTimer
 
 CAPACITY_ROUND = 128  # KV slots are reserved in multiples of this
 
@@ -73,15 +73,6 @@ class EngineSession(SessionBase):
         self.cache.ensure_capacity(cap, max_capacity=cap)  # exactly what this generate needs
 
     # -- helpers -------------------------------------------------------------------------------
-    def _host_uniforms(self, params: SamplingParams):
-        draw: Uniforms = self._start(params)
-
-        def uniforms(*shape: int) -> np.ndarray:
-            u = draw(*shape)
-            return np.zeros(shape, np.float32) if u is None else u.numpy()
-
-        return uniforms
-
     def _chunks(self) -> Iterator[_Chunk]:
         """The uncached suffixes in calls of at most max_chunk tokens, aligned so every row ends in the last call."""
         size = self.gen.manifest.limits.max_chunk
@@ -135,7 +126,11 @@ class EngineSession(SessionBase):
         """Yield the tokens each engine call emits, per sequence, until every sequence stops."""
         timer = timer or StageTimer()
         b, k = self.batch_size, self.k
-        uniforms = self._host_uniforms(params)
+        draw = self._start(params)
+
+        def uniforms(*shape: int) -> np.ndarray:
+            return _host(draw, *shape)
+
         if params.max_new_tokens == 0:
             return
         temperature = np.full(b, params.temperature, np.float32)
@@ -157,52 +152,35 @@ class EngineSession(SessionBase):
                 if prefix is not None:
                     feeds["group_prefix"] = prefix
                 out = self.runner.infer("step", feeds, self.cache)
-                n = out["accepted"]
-                self._store(out, past_len.tolist(), [int(n[r]) + 1 if a else 0 for r, a in enumerate(self._active)])
-                drafts, accepted, emitted = [], [], []
-                for row in range(b):
-                    if not self._active[row]:
-                        drafts.append(None)
-                        accepted.append(None)
-                        emitted.append(())
-                        continue
-                    n_row = int(n[row])
-                    drafts.append(tuple(block[row, 1:].tolist()))
-                    accepted.append(n_row)
-                    self.cache_len[row] = int(past_len[row]) + n_row + 1
-                    emitted.append(self._emit(row, out["emitted"][row, : n_row + 1].tolist(), params))
+                n = out["accepted"].tolist()
+                self._store(out, past_len.tolist(), [n[r] + 1 if a else 0 for r, a in enumerate(self._active)])
+                emitted = out["emitted"]
+                event = self._finish_step(block[:, 1:].tolist(), n,
+                                          lambda row, n_row, e=emitted: e[row, : n_row + 1].tolist(), past_len, params)
                 block, draft_logits = out["next_block"], out["next_draft_logits"]
                 prefix = out.get("next_group_prefix", prefix)
-            yield StepEvent(tuple(emitted), StepRecord(tuple(drafts), tuple(accepted)))
+            yield event
         timer.seconds["engine"] += self.runner.engine_seconds - engine_before
 
-    def stream_target_only(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
-        """Yield each call's token per sequence, decoding with the target alone (the decode graph)."""
-        timer = timer or StageTimer()
+    def _target_first(self, params: SamplingParams, uniforms) -> list[int]:
         b = self.batch_size
-        uniforms = self._host_uniforms(params)
-        if params.max_new_tokens == 0:
-            return
-        temperature = np.full(b, params.temperature, np.float32)
-        with timer.time("prefill"):
-            out = self._prefill("decode", {"temperature": temperature, "uniforms": uniforms(b, 1)})
-        engine_before = self.runner.engine_seconds
-        while True:
-            token = out["next_tokens"][:, 0]  # [B]
-            yield StepEvent(tuple(self._emit(row, [int(token[row])], params) if self._active[row] else ()
-                                  for row in range(b)), None)
-            if not any(self._active):
-                break
-            with timer.time("decode"):
-                pos = np.array([len(t) - 1 for t in self.tokens], np.int64)
-                out = self._call("decode", {
-                    "input_ids": token[:, None].astype(np.int64), "past_len": pos,
-                    "output_index": np.zeros((b, 1), np.int64), "temperature": temperature,
-                    "uniforms": uniforms(b, 1)}, pos.tolist(), [int(a) for a in self._active])
-                for row in range(b):
-                    if self._active[row]:
-                        self.cache_len[row] = int(pos[row]) + 1
-        timer.seconds["engine"] += self.runner.engine_seconds - engine_before
+        out = self._prefill("decode", {"temperature": np.full(b, params.temperature, np.float32),
+                                       "uniforms": _host(uniforms, b, 1)})
+        return out["next_tokens"][:, 0].tolist()
+
+    def _target_next(self, tokens: list[int], pos: list[int], params: SamplingParams, uniforms) -> list[int]:
+        b = self.batch_size
+        out = self._call("decode", {
+            "input_ids": np.array(tokens, np.int64)[:, None], "past_len": np.array(pos, np.int64),
+            "output_index": np.zeros((b, 1), np.int64), "temperature": np.full(b, params.temperature, np.float32),
+            "uniforms": _host(uniforms, b, 1)}, pos, [int(a) for a in self._active])
+        return out["next_tokens"][:, 0].tolist()
+
+
+def _host(uniforms, *shape: int) -> np.ndarray:
+    """Uniforms as a float32 array (zeros when greedy: the graphs take them as inputs regardless)."""
+    u = uniforms(*shape)
+    return np.zeros(shape, np.float32) if u is None else u.numpy()
 
 
 def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = False) -> EngineGenerator:

@@ -26,7 +26,7 @@ from dlite_trt.runtime.sampling import (
     sample_from_logits,
 )
 from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent
-from dlite_trt.runtime.stats import StageTimer, StepRecord
+from dlite_trt.runtime.stats import StageTimer
 
 
 class SpeculativeGenerator(GeneratorBase):
@@ -64,38 +64,21 @@ class Session(SessionBase):
             )
         self.cache.ensure_capacity(longest + self.gen.draft.cfg.block_size)
 
-    def _uniforms(self, params: SamplingParams):
-        host = self._start(params)
-
-        def uniforms(*shape: int) -> torch.Tensor | None:
-            u = host(*shape)
-            return None if u is None else u.to(self.device)
-
-        return uniforms
+    def _u(self, uniforms, *shape: int) -> torch.Tensor | None:
+        u = uniforms(*shape)
+        return None if u is None else u.to(self.device)
 
     @torch.inference_mode()
-    def stream_target_only(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
-        """Yield each call's token per sequence, decoding with the target alone."""
-        timer = timer or StageTimer()
+    def _target_first(self, params: SamplingParams, uniforms) -> list[int]:
+        out = self._run_suffix()
+        return sample_from_logits(out.logits[:, 0], params.temperature, self._u(uniforms, self.batch_size)).tolist()
+
+    @torch.inference_mode()
+    def _target_next(self, tokens: list[int], pos: list[int], params: SamplingParams, uniforms) -> list[int]:
         b = self.batch_size
-        uniforms = self._uniforms(params)
-        if params.max_new_tokens == 0:
-            return
-        with timer.time("prefill"):
-            out = self._run_suffix()
-        while True:
-            token = sample_from_logits(out.logits[:, 0], params.temperature, uniforms(b))  # [B]
-            yield StepEvent(tuple(self._emit(row, [int(token[row])], params) if self._active[row] else ()
-                                  for row in range(b)), None)
-            if not any(self._active):
-                return
-            pos = [len(t) - 1 for t in self.tokens]
-            with timer.time("decode"):
-                out = self._run_target(token[:, None], pos, [int(a) for a in self._active],
-                                       torch.zeros(b, 1, dtype=torch.long, device=self.device))
-            for row in range(b):
-                if self._active[row]:
-                    self.cache_len[row] = pos[row] + 1
+        out = self._run_target(torch.tensor(tokens, device=self.device)[:, None], pos,
+                               [int(a) for a in self._active], torch.zeros(b, 1, dtype=torch.long, device=self.device))
+        return sample_from_logits(out.logits[:, 0], params.temperature, self._u(uniforms, b)).tolist()
 
     @torch.inference_mode()
     def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
@@ -103,7 +86,11 @@ class Session(SessionBase):
         timer = timer or StageTimer()
         b = self.batch_size
         k_props = self.gen.draft.cfg.num_proposals
-        uniforms = self._uniforms(params)
+        host_uniforms = self._start(params)
+
+        def uniforms(*shape: int) -> torch.Tensor | None:
+            return self._u(host_uniforms, *shape)
+
         if params.max_new_tokens == 0:
             return
         sampling = not is_greedy(params.temperature)
@@ -131,19 +118,11 @@ class Session(SessionBase):
                 else:
                     n, anchor = greedy_accept(proposal.tokens, out.logits)
                 chs = out.hidden[torch.arange(b, device=self.device), n]  # [B, S, H] at block index n
-                drafts, accepted, emitted = [], [], []
-                for row in range(b):
-                    if not self._active[row]:
-                        drafts.append(None)
-                        accepted.append(None)
-                        emitted.append(())
-                        continue
-                    n_row = int(n[row])
-                    drafts.append(tuple(proposal.tokens[row].tolist()))
-                    accepted.append(n_row)
-                    self.cache_len[row] = anchor_pos[row] + n_row + 1  # anchor, d_1..d_n are now cached
-                    emitted.append(self._emit(row, proposal.tokens[row, :n_row].tolist() + [int(anchor[row])], params))
-            yield StepEvent(tuple(emitted), StepRecord(tuple(drafts), tuple(accepted)))
+                drafts = proposal.tokens.tolist()
+                event = self._finish_step(
+                    drafts, n.tolist(), lambda row, n_row, d=drafts, a=anchor: d[row][:n_row] + [int(a[row])],
+                    anchor_pos, params)
+            yield event
 
     def _run_suffix(self) -> TargetOutput:
         """Target over each sequence's uncached tokens (right-padded to a batch)."""

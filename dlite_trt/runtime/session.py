@@ -94,7 +94,56 @@ class SessionBase:
         raise NotImplementedError
 
     def stream_target_only(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
+        """Yield each call's token per sequence, decoding with the target alone (the baseline)."""
+        timer = timer or StageTimer()
+        b = self.batch_size
+        uniforms = self._start(params)
+        if params.max_new_tokens == 0:
+            return
+        with timer.time("prefill"):
+            tokens = self._target_first(params, uniforms)
+        while True:
+            yield StepEvent(tuple(self._emit(row, [tokens[row]], params) if self._active[row] else ()
+                                  for row in range(b)), None)
+            if not any(self._active):
+                return
+            pos = [len(t) - 1 for t in self.tokens]  # the token just emitted, not yet cached
+            with timer.time("decode"):
+                tokens = self._target_next(tokens, pos, params, uniforms)
+            for row in range(b):
+                if self._active[row]:
+                    self.cache_len[row] = pos[row] + 1
+
+    def _target_first(self, params: SamplingParams, uniforms: Uniforms) -> list[int]:
+        """Run the target over the uncached suffixes; the next token per sequence."""
         raise NotImplementedError
+
+    def _target_next(self, tokens: list[int], pos: list[int], params: SamplingParams,
+                     uniforms: Uniforms) -> list[int]:
+        """Run the target on one token per sequence at ``pos`` (caching it for active rows); the next tokens."""
+        raise NotImplementedError
+
+    def _finish_step(self, proposals: Sequence[Sequence[int]], accepted: Sequence[int],
+                     emitted: Callable[[int, int], list[int]], anchor_pos: Sequence[int],
+                     params: SamplingParams) -> StepEvent:
+        """Per-row bookkeeping after a verify: cache lengths, emission (with stops), the step record.
+
+        proposals[b] are the K drafts verified, accepted[b] = n, emitted(b, n) the n + 1 tokens
+        the step produced for row b (d_1..d_n and the new anchor); finished rows are skipped.
+        """
+        drafts, counts, new_tokens = [], [], []
+        for row in range(self.batch_size):
+            if not self._active[row]:
+                drafts.append(None)
+                counts.append(None)
+                new_tokens.append(())
+                continue
+            n = int(accepted[row])
+            drafts.append(tuple(int(t) for t in proposals[row]))
+            counts.append(n)
+            self.cache_len[row] = int(anchor_pos[row]) + n + 1  # anchor, d_1..d_n are now cached
+            new_tokens.append(self._emit(row, emitted(row, n), params))
+        return StepEvent(tuple(new_tokens), StepRecord(tuple(drafts), tuple(counts)))
 
     def _collect(self, stream, params: SamplingParams) -> GenerationResult:
         result = GenerationResult(output_ids=[[] for _ in self.tokens])
@@ -122,7 +171,7 @@ class SessionBase:
         sampling = not is_greedy(params.temperature)
 
         def uniforms(*shape: int) -> torch.Tensor | None:
-            return torch.rand(*shape, generator=rng) if sampling else None
+            return torch.rand(*shape, generator=rng) if sampling else None  # on the CPU, float32
 
         return uniforms
 
