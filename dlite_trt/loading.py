@@ -6,14 +6,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dlite_trt.checkpoint import load_draft
+from dlite_trt.dtypes import TORCH
 from dlite_trt.model.target import TargetAdapter
 from dlite_trt.runtime.reference import SpeculativeGenerator
-from dlite_trt.targets import TargetSource, build_hf_model, load_tokenizer, resolve_target, stop_token_ids
+from dlite_trt.targets import (
+    TargetSource,
+    build_hf_model,
+    load_tokenizer,
+    resolve_target,
+    stop_token_ids,
+)
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = TORCH  # kept: the public name of this table before dlite_trt.dtypes
 
 
 @dataclass

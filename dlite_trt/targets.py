@@ -19,6 +19,7 @@ from dlite_trt.errors import CheckpointError, TargetNotFoundError
 from dlite_trt.presets import PRESETS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+RANDOM_WEIGHTS_SEED = 0  # --random-weights targets are seeded: the same weights every time
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def resolve_target(value: str | Path, *, random_weights: bool = False) -> Target
     return TargetSource(read_target_spec(snapshot), snapshot, name)
 
 
-def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = RANDOM_WEIGHTS_SEED) -> torch.nn.Module:
     """The transformers Qwen3ForCausalLM for a source, with checked weights (or seeded random ones)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

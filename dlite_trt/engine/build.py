@@ -34,11 +34,11 @@ from dlite_trt.engine.manifest import (
 from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
 from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, engine_contract
+from dlite_trt.targets import RANDOM_WEIGHTS_SEED
 
 BACKENDS = tuple(BACKEND_DTYPES)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
 GRAPH_DIR = "graphs"
-RANDOM_SEED = 0  # build_hf_model's default seed for --random-weights targets
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
             manifest = Manifest(
                 backend=settings.backend, dtype=settings.dtype, limits=limits, target_name=pair.source.name,
                 target_spec=spec,
-                target_sha256=(random_target_id(pair.source.name, RANDOM_SEED) if pair.source.is_random
+                target_sha256=(random_target_id(pair.source.name, RANDOM_WEIGHTS_SEED) if pair.source.is_random
                                else checkpoint_sha256(pair.source.path)),
                 draft_config=cfg, draft_sha256=checkpoint_sha256(Path(draft)),
                 stop_token_ids=stop_token_ids(pair.source, pair.tokenizer), graphs=graphs, contract=contract,

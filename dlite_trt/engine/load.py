@@ -9,7 +9,7 @@ from typing import Any
 from dlite_trt.checkpoint import load_draft_config
 from dlite_trt.engine.manifest import check_sources, checkpoint_sha256, random_target_id
 from dlite_trt.runtime.engine import EngineGenerator, open_engine
-from dlite_trt.targets import TOKENIZER_FILES, resolve_target
+from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TOKENIZER_FILES, resolve_target
 
 
 @dataclass
@@ -23,15 +23,13 @@ class LoadedEngine:
 def load_engine(engine_dir: Path, *, target: str | Path | None = None, draft: Path | None = None,
                 random_weights: bool = False, threads: int | None = None, verify: bool = False) -> LoadedEngine:
     """Load an engine; when ``target``/``draft`` are given, refuse unless the engine was built from them."""
-    from dlite_trt.engine.build import RANDOM_SEED
-
     engine_dir = Path(engine_dir)
     generator = open_engine(engine_dir, threads=threads, verify=verify)
     manifest = generator.manifest
     target_sha = draft_sha = None
     if target is not None:
         source = resolve_target(target, random_weights=random_weights)
-        target_sha = random_target_id(source.name, RANDOM_SEED) if source.is_random else checkpoint_sha256(source.path)
+        target_sha = random_target_id(source.name, RANDOM_WEIGHTS_SEED) if source.is_random else checkpoint_sha256(source.path)
     if draft is not None:
         load_draft_config(Path(draft))  # a clear error for a missing or wrong draft directory
         draft_sha = checkpoint_sha256(Path(draft))

@@ -18,7 +18,12 @@ from typing import Any
 from dlite_trt import __version__
 from dlite_trt.config import DraftConfig, TargetSpec
 from dlite_trt.errors import DLiteError, EngineError
-from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, GraphSpec, engine_contract
+from dlite_trt.export.contract import (
+    GRAPH_NAMES,
+    EngineLimits,
+    GraphSpec,
+    engine_contract,
+)
 
 MANIFEST = "manifest.json"
 FORMAT = "dlite-trt-engine"

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlite_trt.config import DraftConfig, TargetSpec
+from dlite_trt.dtypes import NUMPY_NAMES
 from dlite_trt.errors import ConfigError
 
 GRAPH_NAMES = ("prefill", "step", "decode")
-FLOAT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+FLOAT_DTYPES = NUMPY_NAMES
 PAD_TOKEN = -1  # fills the unused tail of ``emitted``
 
 

@@ -21,16 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from dlite_trt.dtypes import NUMPY_NAMES, TORCH
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
 from dlite_trt.export.contract import kv_input
 from dlite_trt.runtime.kv_cache import KVCache
 
 DEVICE_OUTPUTS = frozenset({"next_draft_logits"})  # fed back to the next step as ``draft_logits``
-NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 class OrtRunner:
@@ -95,7 +93,7 @@ class OrtRunner:
     def new_cache(self, batch: int) -> KVCache:
         spec = self.manifest.target_spec
         return KVCache(spec.num_hidden_layers, batch, spec.num_key_value_heads, spec.head_dim, capacity=0,
-                       dtype=TORCH_DTYPES[self.manifest.dtype])
+                       dtype=TORCH[self.manifest.dtype])
 
     # -- calls -----------------------------------------------------------------------------------
     def infer(self, graph: str, feeds: Mapping[str, Any], cache: KVCache) -> dict[str, Any]:
@@ -139,7 +137,7 @@ class OrtRunner:
         """Bind each past_key.{i}/past_value.{i} to layer i's slice of the cache buffer (no copy)."""
         io = self._bindings[graph]
         io.clear_binding_inputs()
-        dtype = NUMPY_DTYPES[self.manifest.dtype]
+        dtype = np.dtype(NUMPY_NAMES[self.manifest.dtype])
         for t in self.contract[graph].inputs:
             kv = kv_input(t.name)
             if kv is not None:
