@@ -33,7 +33,9 @@ from polygraphy_data import ENV_VAR, feeds, write_request
 from dlite_trt.config import TargetSpec
 from dlite_trt.export.contract import (
     EngineLimits,
+    GRAPH_NAMES,
     GraphSpec,
+    SAMPLING_SUFFIX,
     dummy_inputs,
     engine_contract,
 )
@@ -58,8 +60,8 @@ COMBOS = [(1, 4), (1, 8), (2, 4), (2, 8)]  # (anchor_group_size G, block_size)
 COMBO_IDS = [f"G{g}-block{b}" for g, b in COMBOS]
 # The TensorRT lowering is exported again from scratch; two combos cover seeded 0/1 and K 3/7.
 TRT_COMBOS = [(1, 4), (2, 8)]
-GRAPHS = ("prefill", "step", "decode")
-DRAFT_GRAPHS = ("prefill", "step")  # the graphs that contain the draft's LowRankRecurrence node
+GRAPHS = GRAPH_NAMES  # prefill, step (greedy), prefill_sampling, step_sampling, decode
+DRAFT_GRAPHS = tuple(g for g in GRAPHS if g != "decode")  # the graphs with the draft's LowRankRecurrence node
 TEMPERATURES = np.array([0.0, 0.7, 1.3], dtype=np.float32)  # greedy and two sampling temperatures
 FLOAT_ATOL = 1e-4  # fp32 tier, see the module docstring
 
@@ -153,22 +155,30 @@ def engine(request, engines) -> Engine:
 # inputs
 
 
+def _base(graph: str) -> str:
+    return graph.removesuffix(SAMPLING_SUFFIX)
+
+
 def _parity_feeds(engine: Engine, graph: str) -> list[tuple[dict[str, int], dict[str, np.ndarray]]]:
-    """(sizes, feed) cases: dummy_inputs at non-trace shapes, temperatures mixing greedy and sampling."""
+    """(sizes, feed) cases: dummy_inputs at non-trace shapes, temperatures mixing greedy and sampling
+    where the graph takes a temperature (the greedy graphs have none: every row is greedy)."""
     spec = engine.contract[graph]
     rng = np.random.default_rng(1234)
-    if graph == "step":
+    sampling = "temperature" in spec.input_names
+    if _base(graph) == "step":
         cases = []
         for sizes, temps, agree in STEP_CASES:
             feed = _dummy(spec, sizes, rng)
-            feed["temperature"] = np.array(temps, dtype=np.float32)
-            cases.append((sizes, _agree_greedy_drafts(engine, feed, [engine.k if a is None else min(a, engine.k)
-                                                                     for a in agree])))
+            if sampling:
+                feed["temperature"] = np.array(temps, dtype=np.float32)
+            cases.append((sizes, _agree_greedy_drafts(engine, graph, feed,
+                                                      [engine.k if a is None else min(a, engine.k) for a in agree])))
         return cases
     cases = []
-    for i, sizes in enumerate(PARITY_SIZES[graph]):
+    for i, sizes in enumerate(PARITY_SIZES[_base(graph)]):
         feed = _dummy(spec, sizes, rng)
-        feed["temperature"] = np.resize(np.roll(TEMPERATURES, i), sizes["batch"])
+        if sampling:
+            feed["temperature"] = np.resize(np.roll(TEMPERATURES, i), sizes["batch"])
         if i == 0:
             feed["past_len"][:] = 0  # a sequence's first call
         cases.append((sizes, feed))
@@ -180,20 +190,25 @@ def _dummy(spec: GraphSpec, sizes: dict[str, int], rng: np.random.Generator) -> 
     return dummy_inputs(spec, sizes, vocab_size=VOCAB, rng=rng)
 
 
-def _agree_greedy_drafts(engine: Engine, feed: dict[str, np.ndarray], agree: list[int]) -> dict[str, np.ndarray]:
+def _greedy_rows(feed: dict[str, np.ndarray]) -> np.ndarray:
+    return feed["temperature"] <= 1e-5 if "temperature" in feed else np.ones(len(feed["past_len"]), dtype=bool)
+
+
+def _agree_greedy_drafts(engine: Engine, graph: str, feed: dict[str, np.ndarray],
+                         agree: list[int]) -> dict[str, np.ndarray]:
     """Set d_1..d_agree[row] of greedy rows to the target's greedy tokens (found with the eager step)."""
     block = feed["block"].copy()  # [B, K+1]
-    greedy = feed["temperature"] <= 1e-5
+    greedy = _greedy_rows(feed)
     want = np.where(greedy, agree, 0)
     for j in range(engine.k):
         rows = want > j
         if not rows.any():
             break
         # drafts 1..j agree, so at least j are accepted and emitted[:, j] is the target's token there
-        emitted = engine.eager("step", {**feed, "block": block})["emitted"]
+        emitted = engine.eager(graph, {**feed, "block": block})["emitted"]
         block[rows, j + 1] = emitted[rows, j]
     feed = {**feed, "block": block}
-    accepted = engine.eager("step", feed)["accepted"]
+    accepted = engine.eager(graph, feed)["accepted"]
     assert (accepted[greedy] >= want[greedy]).all(), (accepted, want)  # the setup did what it says (exact)
     return feed
 
@@ -252,9 +267,14 @@ def _check_recurrence_wiring(model: onnx.ModelProto, node: onnx.NodeProto, engin
     """The node's inputs/outputs mean what INPUT_NAMES/OUTPUT_NAMES say, in that order."""
     assert len(node.input) == len(INPUT_NAMES) and len(node.output) == len(OUTPUT_NAMES)
     wire = dict(zip(INPUT_NAMES, node.input, strict=True))
-    assert _source(model, wire["temperature"]) == "temperature"
-    assert _source(model, wire["uniforms"]) == "u_draft"
-    assert dict(zip(OUTPUT_NAMES, node.output, strict=True))["logits"] == "next_draft_logits"
+    sampling = "temperature" in [i.name for i in model.graph.input]
+    assert _attrs(node)["sampling"] == int(sampling)
+    if sampling:
+        assert _source(model, wire["temperature"]) == "temperature"
+        assert _source(model, wire["uniforms"]) == "u_draft"
+        assert dict(zip(OUTPUT_NAMES, node.output, strict=True))["logits"] == "next_draft_logits"
+    else:  # greedy graphs: no logits leave the graph
+        assert "next_draft_logits" not in [o.name for o in model.graph.output]
     initializers = {i.name: i for i in model.graph.initializer}
     weights = engine.draft.sequential_head.weights()
     for name in HeadWeights._fields:
@@ -286,9 +306,9 @@ def test_ort_matches_eager(engine: Engine, graph: str) -> None:
                 np.testing.assert_array_equal(got[t.name], want[t.name], err_msg=where)  # integer tier: exact
             else:
                 np.testing.assert_allclose(got[t.name], want[t.name], rtol=0, atol=FLOAT_ATOL, err_msg=where)  # fp32
-        if graph == "step":
-            greedy_accepted |= set(got["accepted"][feed["temperature"] <= 1e-5].tolist())
-    if graph == "step":  # the cases exercised no, partial and full acceptance
+        if _base(graph) == "step":
+            greedy_accepted |= set(got["accepted"][_greedy_rows(feed)].tolist())
+    if _base(graph) == "step":  # the cases exercised no, partial and full acceptance
         assert {0, engine.k} <= greedy_accepted and greedy_accepted - {0, engine.k}, greedy_accepted
 
 
@@ -379,7 +399,8 @@ def test_polygraphy_onnxrt_run(engine: Engine, graph: str, tmp_path: Path) -> No
 
     cli = _polygraphy_cli()
     spec = engine.contract[graph]
-    request = write_request(tmp_path / "request.json", spec, POLYGRAPHY_SIZES[graph], vocab_size=VOCAB, seed=7)
+    request = write_request(tmp_path / "request.json", spec, POLYGRAPHY_SIZES[_base(graph)], vocab_size=VOCAB,
+                            seed=7)
     reference = RunResults()
     reference.add([engine.eager(graph, feed) for feed in feeds(request)], runner_name="eager")
     reference.save(str(tmp_path / "eager.json"))
@@ -392,5 +413,6 @@ def test_polygraphy_onnxrt_run(engine: Engine, graph: str, tmp_path: Path) -> No
                           capture_output=True, text=True, timeout=120)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert f"Passed: {len(POLYGRAPHY_SIZES[graph])}/{len(POLYGRAPHY_SIZES[graph])} iterations" in log, log[-4000:]
+    n = len(POLYGRAPHY_SIZES[_base(graph)])
+    assert f"Passed: {n}/{n} iterations" in log, log[-4000:]
     assert "PASSED | Runtime" in log, log[-4000:]

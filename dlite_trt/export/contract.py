@@ -11,6 +11,12 @@ Graphs (DESIGN 2):
   block from the pivot at the last accepted position. One call = one speculative step.
 - ``decode``: the target alone over a chunk (target-only decoding, the baseline).
 
+``prefill`` and ``step`` are greedy: argmax everywhere, no draft logits leave the graph.
+``prefill_sampling`` and ``step_sampling`` take a temperature per sequence (rows at or below
+1e-5 stay greedy) and uniform random numbers, and pass the draft's logits from one call to the
+next for rejection sampling. A greedy batch never pays for the sampling machinery (at Qwen3's
+V = 151,936, softmaxes and a [B, K, V] logits tensor per step).
+
 Dims: ``batch`` B, ``chunk`` T (tokens per prefill/decode call) and ``cache`` P (KV slots
 bound per call, the session's capacity) are dynamic; the rest are fixed by the models.
 KV inputs are per layer (``past_key.{i}``, [B, kvH, P, D]) so that a runtime binds slices of
@@ -29,7 +35,8 @@ from dlite_trt.config import DraftConfig, TargetSpec
 from dlite_trt.dtypes import NUMPY_NAMES
 from dlite_trt.errors import ConfigError
 
-GRAPH_NAMES = ("prefill", "step", "decode")
+GRAPH_NAMES = ("prefill", "step", "prefill_sampling", "step_sampling", "decode")
+SAMPLING_SUFFIX = "_sampling"  # the variant of prefill/step that samples (temperature > 0)
 FLOAT_DTYPES = NUMPY_NAMES
 PAD_TOKEN = -1  # fills the unused tail of ``emitted``
 
@@ -185,41 +192,45 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
     next_logits = TensorSpec("next_draft_logits", "float32", ("batch", k, v), "logits next_block's drafts came from")
     next_block = TensorSpec("next_block", "int64", ("batch", k + 1), "[anchor, d_1..d_K] for the next step")
 
-    prefill = GraphSpec("prefill", inputs=(
-        TensorSpec("input_ids", "int64", ("batch", "chunk"), "prompt tokens, right-padded"),
-        TensorSpec("chunk_len", "int64", ("batch",), "valid tokens in input_ids per sequence (>= 1)"),
-        TensorSpec("past_len", "int64", ("batch",), "cached tokens per sequence = position of input_ids[:, 0]"),
-        *prefix,
-        temperature,
-        TensorSpec("u_anchor", "float32", ("batch",), "uniform in [0, 1) to sample the anchor"),
-        TensorSpec("u_draft", "float32", ("batch", k), "uniforms in [0, 1) to sample the draft"),
-        *kv_inputs(),
-    ), outputs=(
-        next_block,
-        next_logits,
-        TensorSpec("pivot_hidden", fdt, ("batch", s, h), "target layers target_layer_ids at the last prompt token"),
-        *kv_outputs("chunk"),
-    ), dims=(batch, chunk, cache))
+    def prefill(sampling: bool) -> GraphSpec:
+        return GraphSpec("prefill" + SAMPLING_SUFFIX * sampling, inputs=(
+            TensorSpec("input_ids", "int64", ("batch", "chunk"), "prompt tokens, right-padded"),
+            TensorSpec("chunk_len", "int64", ("batch",), "valid tokens in input_ids per sequence (>= 1)"),
+            TensorSpec("past_len", "int64", ("batch",), "cached tokens per sequence = position of input_ids[:, 0]"),
+            *prefix,
+            *([temperature,
+               TensorSpec("u_anchor", "float32", ("batch",), "uniform in [0, 1) to sample the anchor"),
+               TensorSpec("u_draft", "float32", ("batch", k), "uniforms in [0, 1) to sample the draft")]
+              if sampling else []),
+            *kv_inputs(),
+        ), outputs=(
+            next_block,
+            *([next_logits] if sampling else []),
+            TensorSpec("pivot_hidden", fdt, ("batch", s, h), "target layers target_layer_ids at the last prompt token"),
+            *kv_outputs("chunk"),
+        ), dims=(batch, chunk, cache))
 
-    step = GraphSpec("step", inputs=(
-        TensorSpec("block", "int64", ("batch", k + 1), "[anchor, d_1..d_K] from the previous call"),
-        TensorSpec("past_len", "int64", ("batch",), "cached tokens = position of the anchor"),
-        *prefix,
-        TensorSpec("draft_logits", "float32", ("batch", k, v), "next_draft_logits of the previous call"),
-        temperature,
-        TensorSpec("u_accept", "float32", ("batch", k), "uniforms for the accept tests"),
-        TensorSpec("u_resample", "float32", ("batch",), "uniform for the correction / bonus sample"),
-        TensorSpec("u_draft", "float32", ("batch", k), "uniforms to sample the next draft"),
-        *kv_inputs(),
-    ), outputs=(
-        TensorSpec("accepted", "int64", ("batch",), "n: drafts accepted; the step emits n + 1 tokens"),
-        TensorSpec("emitted", "int64", ("batch", k + 1), f"d_1..d_n, the new anchor, then {PAD_TOKEN}"),
-        next_block,
-        *([TensorSpec("next_group_prefix", "int64", ("batch", g - 1), "group_prefix for the next step")]
-          if g > 1 else []),
-        next_logits,
-        *kv_outputs(k + 1),
-    ), dims=(batch, cache))
+    def step(sampling: bool) -> GraphSpec:
+        return GraphSpec("step" + SAMPLING_SUFFIX * sampling, inputs=(
+            TensorSpec("block", "int64", ("batch", k + 1), "[anchor, d_1..d_K] from the previous call"),
+            TensorSpec("past_len", "int64", ("batch",), "cached tokens = position of the anchor"),
+            *prefix,
+            *([TensorSpec("draft_logits", "float32", ("batch", k, v), "next_draft_logits of the previous call"),
+               temperature,
+               TensorSpec("u_accept", "float32", ("batch", k), "uniforms for the accept tests"),
+               TensorSpec("u_resample", "float32", ("batch",), "uniform for the correction / bonus sample"),
+               TensorSpec("u_draft", "float32", ("batch", k), "uniforms to sample the next draft")]
+              if sampling else []),
+            *kv_inputs(),
+        ), outputs=(
+            TensorSpec("accepted", "int64", ("batch",), "n: drafts accepted; the step emits n + 1 tokens"),
+            TensorSpec("emitted", "int64", ("batch", k + 1), f"d_1..d_n, the new anchor, then {PAD_TOKEN}"),
+            next_block,
+            *([TensorSpec("next_group_prefix", "int64", ("batch", g - 1), "group_prefix for the next step")]
+              if g > 1 else []),
+            *([next_logits] if sampling else []),
+            *kv_outputs(k + 1),
+        ), dims=(batch, cache))
 
     decode = GraphSpec("decode", inputs=(
         TensorSpec("input_ids", "int64", ("batch", "chunk"), "tokens, right-padded"),
@@ -232,7 +243,8 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
         TensorSpec("next_tokens", "int64", ("batch", "outputs"), "the target's token after each indexed position"),
         *kv_outputs("chunk"),
     ), dims=(batch, chunk, Dim("outputs", 1, 1, chunk_max), cache))
-    return {gs.name: gs for gs in (prefill, step, decode)}
+    graphs = (prefill(False), step(False), prefill(True), step(True), decode)
+    return {gs.name: gs for gs in graphs}
 
 
 def dummy_inputs(graph: GraphSpec, sizes: Mapping[str, int], *, vocab_size: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dlite_trt.export.contract import PAD_TOKEN, GraphSpec
+from dlite_trt.export.contract import PAD_TOKEN, SAMPLING_SUFFIX, GraphSpec
 from dlite_trt.export.recurrence import low_rank_recurrence
 from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.model.target import TargetAdapter, TargetOutput
@@ -29,6 +29,7 @@ class _EngineGraph(nn.Module):
         self.target = target
         self.draft = draft
         self.num_layers = target.spec.num_hidden_layers
+        self.sampling = graph.name.endswith(SAMPLING_SUFFIX)  # else greedy: argmax, no draft logits out
 
     def named(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
         names = self.graph.input_names
@@ -52,8 +53,8 @@ class _EngineGraph(nn.Module):
         group_len = (anchor_pos + 1).clamp(max=g)  # [B] G' = min(G, anchor_pos + 1)
         hidden = self.draft.backbone(chs, group, group_len, self.target.embed_weight)  # [B, K, H]
         seed_prev = group[:, -2] if g > 1 else None
-        head = low_rank_recurrence(self.draft.sequential_head, hidden, anchor, seed_prev, x["temperature"],
-                                   x["u_draft"])
+        head = low_rank_recurrence(self.draft.sequential_head, hidden, anchor, seed_prev, x.get("temperature"),
+                                   x.get("u_draft"))
         return torch.cat([anchor[:, None], head.tokens], dim=1), head.logits
 
 
@@ -63,11 +64,12 @@ class PrefillGraph(_EngineGraph):
         ids = x["input_ids"]  # [B, T]
         last = (x["chunk_len"] - 1).clamp_min(0)[:, None]  # [B, 1]
         out = self.run_target(x, ids, last)
-        anchor = sample_from_logits(out.logits[:, 0], x["temperature"], x["u_anchor"])  # [B]
+        logits = out.logits[:, 0]  # [B, V] after the last prompt token
+        anchor = sample_from_logits(logits, x["temperature"], x["u_anchor"]) if self.sampling else logits.argmax(-1)
         chs = out.hidden[:, 0]  # [B, S, H] at the last prompt token
         next_block, draft_logits = self.draft_block(x, chs, x.get("group_prefix"), anchor,
                                                     x["past_len"] + x["chunk_len"])
-        return next_block, draft_logits, chs, out.new_k, out.new_v
+        return next_block, *([draft_logits] if self.sampling else []), chs, out.new_k, out.new_v
 
 
 class StepGraph(_EngineGraph):
@@ -78,14 +80,14 @@ class StepGraph(_EngineGraph):
         index = torch.arange(width, device=block.device)  # [K+1]
         out = self.run_target(x, block, index[None, :].expand(b, width))  # logits [B, K+1, V]
         drafts = block[:, 1:]  # [B, K]
-        n_greedy, anchor_greedy = greedy_accept(drafts, out.logits)
-        greedy, safe_t = row_temperature(x["temperature"], 3)  # [B, 1, 1]
-        n_sampled, anchor_sampled = rejection_accept(
-            drafts, torch.softmax(x["draft_logits"] / safe_t, dim=-1),
-            torch.softmax(out.logits.float() / safe_t, dim=-1), x["u_accept"], x["u_resample"])
-        greedy = greedy[:, 0, 0]
-        n = torch.where(greedy, n_greedy, n_sampled)  # [B]
-        anchor = torch.where(greedy, anchor_greedy, anchor_sampled)  # [B]
+        n, anchor = greedy_accept(drafts, out.logits)  # [B], [B]
+        if self.sampling:  # rows with temperature > 1e-5: rejection sampling
+            greedy, safe_t = row_temperature(x["temperature"], 3)  # [B, 1, 1]
+            n_sampled, anchor_sampled = rejection_accept(
+                drafts, torch.softmax(x["draft_logits"] / safe_t, dim=-1),
+                torch.softmax(out.logits.float() / safe_t, dim=-1), x["u_accept"], x["u_resample"])
+            n = torch.where(greedy[:, 0, 0], n, n_sampled)
+            anchor = torch.where(greedy[:, 0, 0], anchor, anchor_sampled)
         s, h = out.hidden.shape[2:]
         chs = out.hidden.gather(1, n[:, None, None, None].expand(b, 1, s, h))[:, 0]  # [B, S, H] at index n
         # emitted: d_1..d_n, the new anchor, then padding
@@ -103,11 +105,12 @@ class StepGraph(_EngineGraph):
         outputs.append(next_block)
         if prefix is not None:
             outputs.append(prefix)
-        return (*outputs, draft_logits, out.new_k, out.new_v)
+        return (*outputs, *([draft_logits] if self.sampling else []), out.new_k, out.new_v)
 
 
 class DecodeGraph(_EngineGraph):
     uses_draft = False
+
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = self.named(inputs)
         out = self.run_target(x, x["input_ids"], x["output_index"])  # logits [B, R, V]
@@ -119,4 +122,4 @@ GRAPH_MODULES = {"prefill": PrefillGraph, "step": StepGraph, "decode": DecodeGra
 
 
 def graph_module(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft) -> _EngineGraph:
-    return GRAPH_MODULES[graph.name](graph, target, draft).eval()
+    return GRAPH_MODULES[graph.name.removesuffix(SAMPLING_SUFFIX)](graph, target, draft).eval()

@@ -78,7 +78,7 @@ def export_graph(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft, pat
         _declare_output_shapes(model, graph)
         if module.uses_draft and lowering == "onnxruntime":
             body = recurrence_function(draft.sequential_head, draft.cfg.num_proposals,
-                                       draft.cfg.anchor_group_size > 1, dtype)
+                                       draft.cfg.anchor_group_size > 1, module.sampling, dtype)
             lower_for_onnxruntime(model, body)
         elif module.uses_draft:
             lower_for_tensorrt(model)

@@ -8,11 +8,13 @@ Node contract (inputs in this order, outputs, attributes):
     anchor       [B] int64         prev token of step 1
     seed_prev    [B] int64         token before the anchor (read only when seeded = 1)
     temperature  [B] float32       <= 1e-5: argmax, else inverse-CDF sample of softmax(logits / T)
-    uniforms     [B, K] float32    one uniform in [0, 1) per step
+                                   (read only when sampling = 1; greedy graphs pass zeros)
+    uniforms     [B, K] float32    one uniform in [0, 1) per step (read only when sampling = 1)
     prev_token_embedding [V, r], state_proj_weight [2r, 2r], state_proj_bias [2r],
     state_hidden_mlp_weight [r, r + H], state_hidden_mlp_bias [r], output_proj_weight [V, r]
   -> tokens [B, K] int64, logits [B, K, V] float32
-    attributes: num_steps = K, seeded = 1 when G > 1
+    attributes: num_steps = K, seeded = 1 when G > 1, sampling = 1 in the sampling graphs
+    (0: every token is the argmax and the logits output may go unused)
 
 Two lowerings, chosen after export:
 - ONNX Runtime: the model carries an ONNX function of that name whose body is the reference
@@ -43,7 +45,7 @@ OPSET = 18  # the standard-op opset of every engine graph and of the function bo
 
 INPUT_NAMES = ("draft_hidden", "anchor", "seed_prev", "temperature", "uniforms", *HeadWeights._fields)
 OUTPUT_NAMES = ("tokens", "logits")
-ATTRIBUTES = ("num_steps", "seeded")
+ATTRIBUTES = ("num_steps", "seeded", "sampling")
 
 
 class _RecurrenceOp(torch.autograd.Function):
@@ -54,53 +56,68 @@ class _RecurrenceOp(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, draft_hidden, anchor, seed_prev, temperature, uniforms, num_steps, vocab, seeded, *weights):
-        out = recurrence(HeadWeights(*weights), draft_hidden, anchor, seed_prev if seeded else None,
-                         temperature, uniforms)
-        return out.tokens, out.logits.float()
+    def forward(ctx, draft_hidden, anchor, seed_prev, temperature, uniforms, num_steps, vocab, seeded, sampling,
+                *weights):
+        return _run(HeadWeights(*weights), draft_hidden, anchor, seed_prev, temperature, uniforms, seeded, sampling)
 
     @staticmethod
-    def symbolic(g, draft_hidden, anchor, seed_prev, temperature, uniforms, num_steps, vocab, seeded, *weights):
+    def symbolic(g, draft_hidden, anchor, seed_prev, temperature, uniforms, num_steps, vocab, seeded, sampling,
+                 *weights):
         tokens, logits = g.op(f"{DOMAIN}::{OP_NAME}", draft_hidden, anchor, seed_prev, temperature, uniforms,
-                              *weights, num_steps_i=num_steps, seeded_i=int(seeded), outputs=2)
+                              *weights, num_steps_i=num_steps, seeded_i=int(seeded), sampling_i=int(sampling),
+                              outputs=2)
         tensor_type = torch._C.TensorType.get()
         tokens.setType(tensor_type.with_dtype(torch.int64).with_sizes([None, num_steps]))
         logits.setType(tensor_type.with_dtype(torch.float32).with_sizes([None, num_steps, vocab]))
         return tokens, logits
 
 
+def _run(w: HeadWeights, draft_hidden, anchor, seed_prev, temperature, uniforms, seeded: bool,
+         sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The node's semantics: the reference recurrence with the node's flags applied."""
+    out = recurrence(w, draft_hidden, anchor, seed_prev if seeded else None,
+                     temperature if sampling else 0.0, uniforms if sampling else None)
+    return out.tokens, out.logits.float()
+
+
 def low_rank_recurrence(head: SequentialHead, draft_hidden: torch.Tensor, anchor: torch.Tensor,
-                        seed_prev: torch.Tensor | None, temperature: torch.Tensor,
-                        uniforms: torch.Tensor) -> HeadOutput:
-    """The head's K steps; one custom node when traced for ONNX export, the reference otherwise."""
+                        seed_prev: torch.Tensor | None, temperature: torch.Tensor | None,
+                        uniforms: torch.Tensor | None) -> HeadOutput:
+    """The head's K steps (greedy when ``temperature`` is None); one custom node when traced for
+    ONNX export, the reference otherwise."""
     if not torch.onnx.is_in_onnx_export():
-        out = head(draft_hidden, anchor, seed_prev, temperature, uniforms)
+        out = head(draft_hidden, anchor, seed_prev, 0.0 if temperature is None else temperature, uniforms)
         return HeadOutput(out.tokens, out.logits.float())
-    seeded = seed_prev is not None
-    num_steps, vocab = int(draft_hidden.shape[1]), int(head.output_proj.weight.shape[0])
+    seeded, sampling = seed_prev is not None, temperature is not None
+    b, num_steps = draft_hidden.shape[0], int(draft_hidden.shape[1])
+    if not sampling:  # the node's inputs are fixed; greedy graphs feed zeros it does not read
+        temperature = draft_hidden.new_zeros(b, dtype=torch.float32)
+        uniforms = draft_hidden.new_zeros(b, num_steps, dtype=torch.float32)
     tokens, logits = _RecurrenceOp.apply(draft_hidden, anchor, seed_prev if seeded else anchor, temperature,
-                                         uniforms, num_steps, vocab, seeded, *head.weights())
+                                         uniforms, num_steps, int(head.output_proj.weight.shape[0]), seeded,
+                                         sampling, *head.weights())
     return HeadOutput(tokens, logits)
 
 
 class _Body(nn.Module):
     """The node's semantics with weights as inputs, exported to become the function body."""
 
-    def __init__(self, seeded: bool) -> None:
+    def __init__(self, seeded: bool, sampling: bool) -> None:
         super().__init__()
-        self.seeded = seeded
+        self.seeded, self.sampling = seeded, sampling
 
     def forward(self, draft_hidden, anchor, seed_prev, temperature, uniforms, *weights):
-        out = recurrence(HeadWeights(*weights), draft_hidden, anchor, seed_prev if self.seeded else None,
-                         temperature, uniforms)
-        return out.tokens, out.logits.float()
+        return _run(HeadWeights(*weights), draft_hidden, anchor, seed_prev, temperature, uniforms, self.seeded,
+                    self.sampling)
 
 
-def recurrence_function(head: SequentialHead, num_steps: int, seeded: bool, dtype: torch.dtype) -> onnx.FunctionProto:
+def recurrence_function(head: SequentialHead, num_steps: int, seeded: bool, sampling: bool,
+                        dtype: torch.dtype) -> onnx.FunctionProto:
     """An ONNX function ``dlite.LowRankRecurrence`` whose body is the reference recurrence.
 
     The body is exported from ``recurrence`` itself (batch dynamic, K unrolled), so the
-    ONNX Runtime lowering cannot drift from the reference.
+    ONNX Runtime lowering cannot drift from the reference. Inputs the body does not read
+    (seed_prev when not seeded, temperature/uniforms when greedy) stay in its signature.
     """
     b = 2
     args = (
@@ -113,9 +130,9 @@ def recurrence_function(head: SequentialHead, num_steps: int, seeded: bool, dtyp
     )
     dynamic = {name: {0: "batch"} for name in INPUT_NAMES[:5]} | {name: {0: "batch"} for name in OUTPUT_NAMES}
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TracerWarnings of the shape checks
+        warnings.simplefilter("ignore")  # TracerWarnings of the shape checks; unused inputs
         path = Path(tmp) / "body.onnx"
-        torch.onnx.export(_Body(seeded), args, str(path), dynamo=False, opset_version=OPSET,
+        torch.onnx.export(_Body(seeded, sampling), args, str(path), dynamo=False, opset_version=OPSET,
                           input_names=list(INPUT_NAMES), output_names=list(OUTPUT_NAMES), dynamic_axes=dynamic,
                           do_constant_folding=False)
         graph = onnx.load(str(path)).graph

@@ -21,7 +21,8 @@ import torch
 
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
-from dlite_trt.export.contract import cache_capacity_max
+from dlite_trt.export.contract import SAMPLING_SUFFIX, cache_capacity_max
+from dlite_trt.runtime.sampling import is_greedy
 from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent
 from dlite_trt.runtime.stats import StageTimer
 
@@ -113,7 +114,7 @@ class EngineSession(SessionBase):
         out = {}
         for chunk in self._chunks():
             call = {"input_ids": chunk.ids, "past_len": chunk.past_len, **feeds}
-            if graph == "prefill":
+            if graph != "decode":  # prefill, prefill_sampling
                 call["chunk_len"] = chunk.chunk_len
             else:
                 call["output_index"] = (chunk.chunk_len - 1)[:, None]
@@ -123,42 +124,49 @@ class EngineSession(SessionBase):
 
     # -- decoding --------------------------------------------------------------------------------
     def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
-        """Yield the tokens each engine call emits, per sequence, until every sequence stops."""
+        """Yield the tokens each engine call emits, per sequence, until every sequence stops.
+
+        Greedy runs use the ``prefill``/``step`` graphs; sampling runs the ``*_sampling`` ones,
+        with uniforms drawn in the reference's order (anchor, then per step: accept tests,
+        resample, next draft), so a seed gives the reference's tokens.
+        """
         timer = timer or StageTimer()
         b, k = self.batch_size, self.k
         draw = self._start(params)
-
-        def uniforms(*shape: int) -> np.ndarray:
-            return _host(draw, *shape)
-
         if params.max_new_tokens == 0:
             return
+        sampling = not is_greedy(params.temperature)
+        suffix = SAMPLING_SUFFIX if sampling else ""
         temperature = np.full(b, params.temperature, np.float32)
-        prefix = self._group_prefix() if self.g > 1 else None
+
+        def random_feeds(*names_shapes: tuple[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+            if not sampling:
+                return {}
+            return {"temperature": temperature} | {name: _host(draw, *shape) for name, shape in names_shapes}
+
+        prefix = {"group_prefix": self._group_prefix()} if self.g > 1 else {}
         with timer.time("prefill"):
-            feeds = {"temperature": temperature, "u_anchor": uniforms(b), "u_draft": uniforms(b, k)}
-            if prefix is not None:
-                feeds["group_prefix"] = prefix
-            out = self._prefill("prefill", feeds)
-        block, draft_logits = out["next_block"], out["next_draft_logits"]
+            out = self._prefill("prefill" + suffix, prefix | random_feeds(("u_anchor", (b,)), ("u_draft", (b, k))))
+        block = out["next_block"]
+        carried = {"draft_logits": out["next_draft_logits"]} if sampling else {}
         yield StepEvent(tuple(self._emit(row, [int(block[row, 0])], params) for row in range(b)), None)
         engine_before = self.runner.engine_seconds
         while any(self._active):
             with timer.time("step"):
                 past_len = np.array(self.cache_len, np.int64)  # = anchor position of every active row
-                feeds = {"block": block, "past_len": past_len, "draft_logits": draft_logits,
-                         "temperature": temperature, "u_accept": uniforms(b, k), "u_resample": uniforms(b),
-                         "u_draft": uniforms(b, k)}
-                if prefix is not None:
-                    feeds["group_prefix"] = prefix
-                out = self.runner.infer("step", feeds, self.cache)
+                feeds = {"block": block, "past_len": past_len, **prefix, **carried,
+                         **random_feeds(("u_accept", (b, k)), ("u_resample", (b,)), ("u_draft", (b, k)))}
+                out = self.runner.infer("step" + suffix, feeds, self.cache)
                 n = out["accepted"].tolist()
                 self._store(out, past_len.tolist(), [n[r] + 1 if a else 0 for r, a in enumerate(self._active)])
                 emitted = out["emitted"]
                 event = self._finish_step(block[:, 1:].tolist(), n,
                                           lambda row, n_row, e=emitted: e[row, : n_row + 1].tolist(), past_len, params)
-                block, draft_logits = out["next_block"], out["next_draft_logits"]
-                prefix = out.get("next_group_prefix", prefix)
+                block = out["next_block"]
+                if self.g > 1:
+                    prefix = {"group_prefix": out["next_group_prefix"]}
+                if sampling:
+                    carried = {"draft_logits": out["next_draft_logits"]}
             yield event
         timer.seconds["engine"] += self.runner.engine_seconds - engine_before
 
