@@ -78,23 +78,53 @@ def step_times(stream) -> list[float]:
         times.append(time.perf_counter() - start)
 
 
+def verify_times(engine, prompt: list[int], calls: int) -> list[float]:
+    """Wall seconds of the target alone over a block of block_size tokens on the prompt's cache
+    (the decode graph with T = block_size): a speculative step's verification without its draft."""
+    import numpy as np
+
+    from dlite_trt.runtime.session import SamplingParams
+
+    session = engine.session([prompt])
+    session.generate_target_only(SamplingParams(max_new_tokens=1))  # caches the prompt
+    width = engine.manifest.block_size
+    feeds = {"input_ids": np.array([prompt[-width:]], np.int64), "past_len": np.array([len(prompt)], np.int64),
+             "output_index": np.arange(width, dtype=np.int64)[None], "temperature": np.zeros(1, np.float32),
+             "uniforms": np.zeros((1, width), np.float32)}
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        engine.runner.infer("decode", feeds, session.cache)  # nothing stored: the cache is unchanged
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def step_vs_decode(engine, tokenizer, contexts: list[int], steps: int, rounds: int) -> dict:
     """Median time of a speculative step and of a target-only decode step (host work included),
-    both through the engine, per context length."""
+    both through the engine, per context length; and of the step's verification alone (the
+    target over the block), so that step - verify is what the draft and acceptance add.
+    Contexts and methods are interleaved in every round, so a burst of load on a shared machine
+    does not land on one context only."""
     from dlite_trt.runtime.session import SamplingParams
 
     params = SamplingParams(max_new_tokens=steps)
+    prompts = {ctx: held_out_ids(tokenizer, ctx) for ctx in contexts}
+    times: dict[int, dict[str, list[float]]] = {ctx: {"spec": [], "decode": [], "verify": []} for ctx in contexts}
+    for round_ in range(rounds + 1):  # round 0 warms up every context's shapes
+        for ctx, prompt in prompts.items():
+            spec = step_times(engine.session([prompt]).stream(params))
+            dec = step_times(engine.session([prompt]).stream_target_only(params))
+            ver = verify_times(engine, prompt, steps)
+            if round_:
+                times[ctx]["spec"] += spec
+                times[ctx]["decode"] += dec
+                times[ctx]["verify"] += ver
     rows = {}
     for ctx in contexts:
-        prompt = held_out_ids(tokenizer, ctx)
-        spec_t, dec_t = [], []
-        for _ in range(rounds + 1):  # interleaved; the first round warms up this context's shapes
-            spec_t.append(step_times(engine.session([prompt]).stream(params)))
-            dec_t.append(step_times(engine.session([prompt]).stream_target_only(params)))
-        spec_s = statistics.median(t for run in spec_t[1:] for t in run)
-        dec_s = statistics.median(t for run in dec_t[1:] for t in run)
-        rows[str(ctx)] = {"speculative_step_ms": spec_s * 1e3, "decode_step_ms": dec_s * 1e3,
-                          "ratio": spec_s / dec_s}
+        spec_s, dec_s, ver_s = (statistics.median(times[ctx][k]) for k in ("spec", "decode", "verify"))
+        rows[str(ctx)] = {"speculative_step_ms": spec_s * 1e3, "decode_step_ms": dec_s * 1e3, "ratio": spec_s / dec_s,
+                          "verify_only_ms": ver_s * 1e3, "draft_and_accept_ms": (spec_s - ver_s) * 1e3,
+                          "samples": len(times[ctx]["spec"])}
     base = rows[str(contexts[0])]["ratio"]
     for row in rows.values():
         row["ratio_vs_first_context"] = row["ratio"] / base
@@ -139,7 +169,7 @@ def qwen3_06b(work: Path, steps: int) -> dict:
 @click.option("--prompts", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(min=2))
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--rounds", default=5, show_default=True, type=click.IntRange(min=1))
 @click.option("--contexts", default="256,2048,8192", show_default=True)
 @click.option("--qwen3-0.6b", "big", is_flag=True, help="Also build and run a Qwen3-0.6B-shaped random target.")
 def main(target: Path, draft: Path, engine: Path | None, out: Path, prompts: int, prompt_tokens: int,
@@ -178,7 +208,8 @@ def main(target: Path, draft: Path, engine: Path | None, out: Path, prompts: int
     for c, row in report["step_vs_decode"].items():
         click.echo(f"context {c:>5}: speculative step {row['speculative_step_ms']:.2f} ms, decode step "
                    f"{row['decode_step_ms']:.2f} ms, ratio {row['ratio']:.2f} ({row['ratio_vs_first_context']:.2f}x "
-                   f"the first context's)")
+                   f"the first context's); of the step: verify {row['verify_only_ms']:.2f} ms, draft + accept "
+                   f"{row['draft_and_accept_ms']:.2f} ms")
     if big:
         b = report["qwen3_0.6b_random"]
         click.echo(f"qwen3-0.6b random: build {b['build_seconds']:.0f} s, peak RSS {b['build_peak_rss_gib']:.1f} GiB, "

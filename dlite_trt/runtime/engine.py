@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
@@ -108,7 +107,7 @@ class EngineSession(SessionBase):
         return out
 
     def _store(self, out: dict[str, Any], start: list[int], count: list[int]) -> None:
-        self.cache.write(torch.from_numpy(out["new_key"]), torch.from_numpy(out["new_value"]), start, count)
+        self.cache.write(out["new_key"], out["new_value"], start, count)
 
     def _prefill(self, graph: str, feeds: dict[str, Any]) -> dict[str, Any]:
         out = {}

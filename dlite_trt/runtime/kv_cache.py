@@ -8,6 +8,7 @@ stops at ``past_len``, and the next write overwrites them.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -44,12 +45,20 @@ class KVCache:
         """The first ``length`` slots of every sequence, [L, B, kvH, length, D], without copying."""
         return self.k[:, :, :, :length], self.v[:, :, :, :length]
 
-    def write(self, new_k: torch.Tensor, new_v: torch.Tensor, start: list[int], count: list[int]) -> None:
-        """Store new_k/new_v [L, B, kvH, T, D]: row b's first count[b] entries at start[b]."""
+    def write(self, new_k: torch.Tensor | np.ndarray, new_v: torch.Tensor | np.ndarray, start: list[int],
+              count: list[int]) -> None:
+        """Store new_k/new_v [L, B, kvH, T, D]: row b's first count[b] entries at start[b].
+
+        Host engines pass numpy arrays: the copy then goes through numpy views of the same (CPU)
+        buffers, whose slicing costs microseconds where torch's costs tens per call.
+        """
+        k, v = self.k, self.v
+        if isinstance(new_k, np.ndarray):
+            k, v = k.numpy(), v.numpy()
         for b, (s, n) in enumerate(zip(start, count, strict=True)):
             if n <= 0:
                 continue
             if s + n > self.capacity:
                 raise ValueError(f"KV write past capacity: row {b} needs {s + n} > {self.capacity} slots")
-            self.k[:, b, :, s : s + n] = new_k[:, b, :, :n]
-            self.v[:, b, :, s : s + n] = new_v[:, b, :, :n]
+            k[:, b, :, s : s + n] = new_k[:, b, :, :n]
+            v[:, b, :, s : s + n] = new_v[:, b, :, :n]
