@@ -5,7 +5,8 @@
    (openings of held-out standard-library files), greedy, batch 1, rounds interleaved;
 2. host time outside the engine call as a share of the step time (engine timings);
 3. cost of one speculative step / one target-only decode step, both through the engine, at
-   contexts of 256, 2k and 8k tokens (the draft is history-free, so the ratio must not grow);
+   contexts of 256, 2k and 8k tokens, and the step graph's kernel time split into target and
+   draft by ONNX Runtime's profiler (the draft is history-free: its part must stay flat);
 4. optionally (--qwen3-0.6b) a Qwen3-0.6B-shaped target with random weights: build time, peak
    memory, engine size, and a few steps through the engine.
 Prints a summary and writes every figure to --out (JSON).
@@ -78,56 +79,76 @@ def step_times(stream) -> list[float]:
         times.append(time.perf_counter() - start)
 
 
-def verify_times(engine, prompt: list[int], calls: int) -> list[float]:
-    """Wall seconds of the target alone over a block of block_size tokens on the prompt's cache
-    (the decode graph with T = block_size): a speculative step's verification without its draft."""
-    import numpy as np
-
-    from dlite_trt.runtime.session import SamplingParams
-
-    session = engine.session([prompt])
-    session.generate_target_only(SamplingParams(max_new_tokens=1))  # caches the prompt
-    width = engine.manifest.block_size
-    feeds = {"input_ids": np.array([prompt[-width:]], np.int64), "past_len": np.array([len(prompt)], np.int64),
-             "output_index": np.arange(width, dtype=np.int64)[None], "temperature": np.zeros(1, np.float32),
-             "uniforms": np.zeros((1, width), np.float32)}
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        engine.runner.infer("decode", feeds, session.cache)  # nothing stored: the cache is unchanged
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def step_vs_decode(engine, tokenizer, contexts: list[int], steps: int, rounds: int) -> dict:
     """Median time of a speculative step and of a target-only decode step (host work included),
-    both through the engine, per context length; and of the step's verification alone (the
-    target over the block), so that step - verify is what the draft and acceptance add.
-    Contexts and methods are interleaved in every round, so a burst of load on a shared machine
-    does not land on one context only."""
+    both through the engine, per context length. Contexts and methods are interleaved in every
+    round, so a burst of load on a shared machine does not land on one context only."""
     from dlite_trt.runtime.session import SamplingParams
 
     params = SamplingParams(max_new_tokens=steps)
     prompts = {ctx: held_out_ids(tokenizer, ctx) for ctx in contexts}
-    times: dict[int, dict[str, list[float]]] = {ctx: {"spec": [], "decode": [], "verify": []} for ctx in contexts}
+    times: dict[int, dict[str, list[float]]] = {ctx: {"spec": [], "decode": []} for ctx in contexts}
     for round_ in range(rounds + 1):  # round 0 warms up every context's shapes
         for ctx, prompt in prompts.items():
             spec = step_times(engine.session([prompt]).stream(params))
             dec = step_times(engine.session([prompt]).stream_target_only(params))
-            ver = verify_times(engine, prompt, steps)
             if round_:
                 times[ctx]["spec"] += spec
                 times[ctx]["decode"] += dec
-                times[ctx]["verify"] += ver
     rows = {}
     for ctx in contexts:
-        spec_s, dec_s, ver_s = (statistics.median(times[ctx][k]) for k in ("spec", "decode", "verify"))
+        spec_s, dec_s = (statistics.median(times[ctx][k]) for k in ("spec", "decode"))
         rows[str(ctx)] = {"speculative_step_ms": spec_s * 1e3, "decode_step_ms": dec_s * 1e3, "ratio": spec_s / dec_s,
-                          "verify_only_ms": ver_s * 1e3, "draft_and_accept_ms": (spec_s - ver_s) * 1e3,
                           "samples": len(times[ctx]["spec"])}
     base = rows[str(contexts[0])]["ratio"]
     for row in rows.values():
         row["ratio_vs_first_context"] = row["ratio"] / base
+    return rows
+
+
+def draft_profile(engine_dir: Path, contexts: list[int], runs: int = 50) -> dict:
+    """Kernel time per step graph call split into target, draft and the rest, from ONNX Runtime's
+    profiler, at each context length. Profiled on the unoptimized step graph (its node names keep
+    their module scopes: ``/target/...`` for the target, the draft's modules and the inlined
+    ``LowRankRecurrence`` body for the draft); the history-free draft's share must stay flat."""
+    import json as json_
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from dlite_trt.engine.manifest import load_manifest
+    from dlite_trt.export.contract import dummy_inputs
+    from dlite_trt.export.recurrence import OP_NAME
+    from dlite_trt.model.draft import DLiteDraft
+
+    manifest = load_manifest(engine_dir)
+    draft_scopes = tuple(f"/{name}" for name, _ in DLiteDraft(manifest.draft_config).named_children())
+    spec = manifest.contract["step"]
+    rows = {}
+    for ctx in contexts:
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = str(Path(tempfile.gettempdir()) / "dlite_step_profile")
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        session = ort.InferenceSession(str(engine_dir / manifest.graphs["step"]["onnx"]), so,
+                                       providers=["CPUExecutionProvider"])
+        feeds = dummy_inputs(spec, {"batch": 1, "cache": ctx + 128}, vocab_size=manifest.target_spec.vocab_size,
+                             rng=np.random.default_rng(0))
+        feeds["past_len"][:] = ctx
+        for _ in range(runs + 5):
+            session.run(None, feeds)
+        profile = Path(session.end_profiling())
+        events = [e for e in json_.loads(profile.read_text()) if e.get("cat") == "Node"
+                  and e["name"].endswith("_kernel_time")]
+        profile.unlink()
+        parts = {"target": 0.0, "draft": 0.0, "other": 0.0}
+        for e in events:
+            name = e["name"]
+            part = ("target" if name.startswith("/target/") else
+                    "draft" if name.startswith(draft_scopes) or name.startswith(f"_inlfunc_{OP_NAME}") else "other")
+            parts[part] += e["dur"]
+        calls = runs + 5
+        rows[str(ctx)] = {f"{k}_ms": v / calls / 1e3 for k, v in parts.items()}
     return rows
 
 
@@ -197,6 +218,7 @@ def main(target: Path, draft: Path, engine: Path | None, out: Path, prompts: int
                               "torch_threads": torch.get_num_threads()}, "versions": package_versions()}
         report["throughput"] = throughput(loaded.generator, pair.generator, prompt_ids, new_tokens, rounds)
         report["step_vs_decode"] = step_vs_decode(loaded.generator, tok, ctx, steps=32, rounds=rounds)
+        report["step_profile"] = draft_profile(engine, ctx)
         if big:
             report["qwen3_0.6b_random"] = qwen3_06b(Path(tmp), steps=8)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -208,8 +230,10 @@ def main(target: Path, draft: Path, engine: Path | None, out: Path, prompts: int
     for c, row in report["step_vs_decode"].items():
         click.echo(f"context {c:>5}: speculative step {row['speculative_step_ms']:.2f} ms, decode step "
                    f"{row['decode_step_ms']:.2f} ms, ratio {row['ratio']:.2f} ({row['ratio_vs_first_context']:.2f}x "
-                   f"the first context's); of the step: verify {row['verify_only_ms']:.2f} ms, draft + accept "
-                   f"{row['draft_and_accept_ms']:.2f} ms")
+                   f"the first context's)")
+    for c, row in report["step_profile"].items():
+        click.echo(f"context {c:>5}, step graph kernels (ORT profiler, unoptimized graph): target "
+                   f"{row['target_ms']:.2f} ms, draft {row['draft_ms']:.2f} ms, other {row['other_ms']:.2f} ms")
     if big:
         b = report["qwen3_0.6b_random"]
         click.echo(f"qwen3-0.6b random: build {b['build_seconds']:.0f} s, peak RSS {b['build_peak_rss_gib']:.1f} GiB, "

@@ -453,3 +453,14 @@ def test_verify_hashes_large_files(runner, engine_copy, monkeypatch):
     assert_clean_error(result, "graphs/weights.bin does not match its sha256", "Rebuild", exit_code=1)
     usage = runner.invoke(main, ["generate", "--verify", "--target", "x", "--draft", "y", "--input-ids", "1"])
     assert usage.exit_code == 2 and "--verify checks an engine directory" in usage.output
+
+
+def test_generate_engine_cli_equals_transformers_greedy(runner, engine_dir, tiny_pair):
+    """The command line end to end: `generate --engine --json` == transformers target-only greedy."""
+    from helpers import hf_greedy
+
+    prompt = [5, 6, 7, 100, 200, 300, 17]
+    result = generate_engine(runner, engine_dir, "--input-ids", ",".join(map(str, prompt)), "--max-new-tokens", "24",
+                             "--ignore-eos", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["output_ids"] == hf_greedy(tiny_pair[0], prompt, 24)
