@@ -34,10 +34,12 @@ TRACE_SIZES = {"batch": 2, "chunk": 3, "outputs": 2, "cache": 7}
 
 
 def trace_inputs(graph: GraphSpec, vocab_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Contract-valid inputs at TRACE_SIZES; the model-precision ones (the KV cache) in ``dtype``
+    (numpy has no bfloat16, so dummy_inputs gives float32 there)."""
     feeds = dummy_inputs(graph, {d.name: TRACE_SIZES[d.name] for d in graph.dims}, vocab_size=vocab_size,
                          rng=np.random.default_rng(0), check=False)
-    return tuple(torch.from_numpy(a).to(dtype) if a.dtype.kind == "f" and not t.dtype == "float32" else
-                 torch.from_numpy(a) for a, t in zip(feeds.values(), graph.inputs, strict=True))
+    return tuple(torch.from_numpy(a).to(dtype) if t.dtype in ("float16", "bfloat16") else torch.from_numpy(a)
+                 for a, t in zip(feeds.values(), graph.inputs, strict=True))
 
 
 def _declare_output_shapes(model: onnx.ModelProto, graph: GraphSpec) -> None:
