@@ -196,6 +196,8 @@ MANIFEST_EDITS = {
     "block_size_edited": (["draft", "config", "block_size"], 6, ("I/O contract does not match", "Rebuild")),
     "graph_outside": (["graphs", "step", "runtime"], "../elsewhere/step.onnx", ("not among the manifest's hashed",)),
     "no_file_records": (["files"], {}, ("not among the manifest's hashed", "Rebuild")),
+    "graph_without_runtime": (["graphs", "decode", "runtime"], DELETE, ("must record its 'onnx' and 'runtime'",)),
+    "weights_not_recorded": (["files", "graphs/weights.bin"], DELETE, ("graphs/weights.bin", "not among")),
 }
 
 
@@ -464,3 +466,27 @@ def test_generate_engine_cli_equals_transformers_greedy(runner, engine_dir, tiny
                              "--ignore-eos", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["output_ids"] == hf_greedy(tiny_pair[0], prompt, 24)
+
+
+def test_engine_rebuilt_while_open_is_refused_on_lazy_load(tiny_pair, engine_copy):
+    """Graphs not preloaded (decode, sampling) load on first use; if the directory was rebuilt
+    meanwhile they would come from another build, so that is refused."""
+    from dlite_trt.engine.manifest import load_manifest as read
+
+    opened = load_engine(engine_copy)
+    session = opened.generator.session([PROMPT])
+    session.generate(SamplingParams(max_new_tokens=4))  # the preloaded greedy graphs
+    build_engine(*tiny_pair, engine_copy, BuildSettings(limits=read(engine_copy).limits), progress=False)
+    with pytest.raises(EngineError, match="changed since it was opened"):
+        session.generate_target_only(SamplingParams(max_new_tokens=4))  # decode loads now
+
+
+def test_packing_weights_twice_is_refused_and_harmless(engine_copy):
+    from dlite_trt.engine.weights import pack_weights
+
+    graphs = sorted((engine_copy / "graphs").glob("*.onnx"))
+    with pytest.raises(ValueError, match="packed already"):
+        pack_weights(graphs)
+    load_manifest(engine_copy, verify=True)  # every file as built
+    out = load_engine(engine_copy).generator.session([PROMPT]).generate(SamplingParams(max_new_tokens=4))
+    assert len(out.output_ids[0]) == 4

@@ -63,8 +63,11 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
 
     if engine is not None:
         from dlite_trt.engine.load import load_engine
+        from dlite_trt.runtime.sampling import GREEDY_EPS
 
-        pair = load_engine(engine, target=target, draft=draft, random_weights=random_weights, verify=verify)
+        graphs = ("prefill", "step") if temperature <= GREEDY_EPS else ("prefill_sampling", "step_sampling")
+        pair = load_engine(engine, target=target, draft=draft, random_weights=random_weights, verify=verify,
+                           preload=graphs)
         if dtype is not None and dtype != pair.generator.manifest.dtype:
             raise click.UsageError(f"the engine was built for {pair.generator.manifest.dtype}; drop --dtype "
                                    "or rebuild the engine with that --dtype")

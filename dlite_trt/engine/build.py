@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dlite_trt.engine.manifest import (
     BACKEND_DTYPES,
+    GRAPH_DIR,
     MANIFEST,
     Manifest,
     checkpoint_sha256,
@@ -38,7 +39,6 @@ from dlite_trt.targets import RANDOM_WEIGHTS_SEED
 
 BACKENDS = tuple(BACKEND_DTYPES)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
-GRAPH_DIR = "graphs"
 
 
 @dataclass(frozen=True)

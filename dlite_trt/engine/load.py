@@ -21,10 +21,11 @@ class LoadedEngine:
 
 
 def load_engine(engine_dir: Path, *, target: str | Path | None = None, draft: Path | None = None,
-                random_weights: bool = False, threads: int | None = None, verify: bool = False) -> LoadedEngine:
+                random_weights: bool = False, threads: int | None = None, verify: bool = False,
+                preload: tuple[str, ...] = ("prefill", "step")) -> LoadedEngine:
     """Load an engine; when ``target``/``draft`` are given, refuse unless the engine was built from them."""
     engine_dir = Path(engine_dir)
-    generator = open_engine(engine_dir, threads=threads, verify=verify)
+    generator = open_engine(engine_dir, threads=threads, verify=verify, preload=preload)
     manifest = generator.manifest
     target_sha = draft_sha = None
     if target is not None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from dlite_trt import __version__
 from dlite_trt.config import DraftConfig, TargetSpec
+from dlite_trt.engine.weights import WEIGHTS_FILE
 from dlite_trt.errors import DLiteError, EngineError
 from dlite_trt.export.contract import (
     GRAPH_NAMES,
@@ -27,7 +28,8 @@ from dlite_trt.export.contract import (
 
 MANIFEST = "manifest.json"
 FORMAT = "dlite-trt-engine"
-FORMAT_VERSION = 1  # bump when the graph I/O or directory layout changes incompatibly
+FORMAT_VERSION = 2  # bump when the graph I/O or directory layout changes incompatibly
+GRAPH_DIR = "graphs"  # graphs/{name}.onnx, graphs/{name}.ort.onnx, graphs/weights.bin
 HASH_AT_LOAD_MAX_BYTES = 64 << 20  # files up to this size are hashed on every load; larger ones on verify
 BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16")}  # what each backend builds
 
@@ -113,7 +115,10 @@ class Manifest:
             raise EngineError(f"{where} lists graphs {sorted(self.graphs)} / contracts {sorted(self.contract)}, "
                               f"expected {list(GRAPH_NAMES)}; the manifest is corrupt. Rebuild the engine.")
         for name, paths in self.graphs.items():
-            missing = [rel for rel in paths.values() if rel not in self.files]
+            if not isinstance(paths, dict) or set(paths) != {"onnx", "runtime"}:
+                raise EngineError(f"{where}: graph {name} must record its 'onnx' and 'runtime' files, got {paths!r}; "
+                                  "the manifest is corrupt. Rebuild the engine.")
+            missing = [rel for rel in (*paths.values(), f"{GRAPH_DIR}/{WEIGHTS_FILE}") if rel not in self.files]
             if missing:
                 raise EngineError(f"{where}: graph files {missing} of {name} are not among the manifest's hashed files; "
                                   "the manifest is corrupt. Rebuild the engine.")

@@ -30,16 +30,19 @@ def _external(tensor: onnx.TensorProto) -> bool:
 def pack_weights(models: Iterable[Path], weights_name: str = WEIGHTS_FILE) -> Path:
     """Rewrite ``models`` (all in one directory) to share one deduplicated weights file.
 
-    Returns the weights file; the models' previous external-data files are deleted.
+    Returns the weights file; the models' previous external-data files are deleted. The file is
+    written under a temporary name and renamed when complete.
     """
     models = [Path(m) for m in models]
     directory = models[0].parent
     if any(m.parent != directory for m in models):
         raise ValueError("pack_weights: every model must be in the same directory")
     target = directory / weights_name
+    partial = directory / f".{weights_name}.partial"
     offsets: dict[str, tuple[int, int]] = {}  # sha256 of the bytes -> (offset, length)
     old_files: set[Path] = set()
-    with open(target, "wb") as out:
+    rewritten = []
+    with open(partial, "wb") as out:
         for path in models:
             model = onnx.load(str(path), load_external_data=False)
             for tensor in model.graph.initializer:
@@ -47,14 +50,17 @@ def pack_weights(models: Iterable[Path], weights_name: str = WEIGHTS_FILE) -> Pa
                     continue
                 info = ExternalDataInfo(tensor)
                 source = directory / info.location
+                if source == target:
+                    raise ValueError(f"{path} already points at {target}: the models are packed already")
                 old_files.add(source)
                 with open(source, "rb") as f:
                     f.seek(info.offset or 0)
                     data = f.read(info.length) if info.length else f.read()
+                if info.length and len(data) != info.length:
+                    raise ValueError(f"{source}: read {len(data)} bytes of {tensor.name}, expected {info.length}")
                 key = hashlib.sha256(data).hexdigest()
                 if key not in offsets:
-                    pad = -out.tell() % ALIGN
-                    out.write(b"\0" * pad)
+                    out.write(b"\0" * (-out.tell() % ALIGN))
                     offsets[key] = (out.tell(), len(data))
                     out.write(data)
                 del tensor.external_data[:]
@@ -62,7 +68,10 @@ def pack_weights(models: Iterable[Path], weights_name: str = WEIGHTS_FILE) -> Pa
                                      ("length", offsets[key][1])):
                     entry = tensor.external_data.add()
                     entry.key, entry.value = field, str(value)
-            onnx.save_model(model, str(path))
-    for old in old_files - {target}:
+            rewritten.append((path, model))
+    partial.rename(target)
+    for path, model in rewritten:  # only now: a failure above leaves the models as they were
+        onnx.save_model(model, str(path))
+    for old in old_files:
         old.unlink()
     return target

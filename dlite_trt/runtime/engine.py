@@ -190,12 +190,14 @@ def _host(uniforms, *shape: int) -> np.ndarray:
     return np.zeros(shape, np.float32) if u is None else u.numpy()
 
 
-def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = False) -> EngineGenerator:
-    """Load and check an engine directory; returns a ready generator."""
+def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = False,
+                preload: tuple[str, ...] = ("prefill", "step")) -> EngineGenerator:
+    """Load and check an engine directory; returns a ready generator. ``preload`` graphs are
+    loaded now (each ONNX Runtime session holds its own prepacked weights); the others on first use."""
     from dlite_trt.engine.manifest import load_manifest
     from dlite_trt.runtime.ort_runner import OrtRunner
 
     manifest = load_manifest(Path(engine_dir), verify=verify)
     if manifest.backend != "onnxruntime":
         raise EngineError(f"{engine_dir} is a {manifest.backend} engine; this dlite-trt runs onnxruntime engines.")
-    return EngineGenerator(OrtRunner(Path(engine_dir), manifest, threads=threads).activate(), manifest)
+    return EngineGenerator(OrtRunner(Path(engine_dir), manifest, threads=threads).activate(preload), manifest)

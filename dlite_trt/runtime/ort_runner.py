@@ -44,6 +44,7 @@ class OrtRunner:
         self._host_inputs: dict[str, list] = {}  # graph -> its non-cache input specs
         self._bound: dict[str, tuple] = {}  # graph -> (K ptr, V ptr, shape) its cache inputs are bound to
         self.engine_seconds = 0.0  # time inside run_with_iobinding, accumulated
+        self._identity = self._file_identity()  # graphs load lazily: they must come from this same build
 
     # -- lifecycle ---------------------------------------------------------------------------
     def activate(self, graphs: tuple[str, ...] = ("prefill", "step")) -> OrtRunner:
@@ -58,6 +59,7 @@ class OrtRunner:
             return self.sessions[name]
         import onnxruntime as ort
 
+        self._check_unchanged()
         path = self.engine_dir / self.manifest.graphs[name]["runtime"]
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -73,6 +75,22 @@ class OrtRunner:
         self._bindings[name] = session.io_binding()
         self._host_inputs[name] = [t for t in self.contract[name].inputs if kv_input(t.name) is None]
         return session
+
+    def _file_identity(self) -> dict[str, tuple[int, int, int]]:
+        identity = {}
+        for rel in self.manifest.files:
+            st = (self.engine_dir / rel).stat()
+            identity[rel] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return identity
+
+    def _check_unchanged(self) -> None:
+        try:
+            same = self._file_identity() == self._identity
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise EngineError(f"the engine directory {self.engine_dir} changed since it was opened (rebuilt or "
+                              "edited); its graphs would come from two builds. Open the engine again.")
 
     def _check_io(self, name: str, session: Any, path: Path) -> None:
         spec = self.contract[name]
