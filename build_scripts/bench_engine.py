@@ -192,9 +192,11 @@ def qwen3_06b(work: Path, steps: int) -> dict:
 @click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(min=2))
 @click.option("--rounds", default=5, show_default=True, type=click.IntRange(min=1))
 @click.option("--contexts", default="256,2048,8192", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1),
+              help="ONNX Runtime intra-op threads for the engine (default: ONNX Runtime's, one per physical core).")
 @click.option("--qwen3-0.6b", "big", is_flag=True, help="Also build and run a Qwen3-0.6B-shaped random target.")
 def main(target: Path, draft: Path, engine: Path | None, out: Path, prompts: int, prompt_tokens: int,
-         new_tokens: int, rounds: int, contexts: str, big: bool) -> None:
+         new_tokens: int, rounds: int, contexts: str, threads: int | None, big: bool) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -210,12 +212,13 @@ def main(target: Path, draft: Path, engine: Path | None, out: Path, prompts: int
             engine = engine or Path(tmp) / "engine"
             limits = EngineLimits(max_batch=8, max_seq_len=max(ctx) + 256, max_chunk=512)
             build_engine(target, draft, engine, BuildSettings(limits=limits), progress=False)
-        loaded = load_engine(engine, target=target, draft=draft)
+        loaded = load_engine(engine, target=target, draft=draft, threads=threads,
+                             preload=("prefill", "step", "decode"))
         pair = load_pair(target, draft)
         tok = pair.tokenizer
         prompt_ids = [held_out_ids(tok, prompt_tokens, offset=i) for i in range(prompts)]
-        report = {"machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
-                              "torch_threads": torch.get_num_threads()}, "versions": package_versions()}
+        report = {"machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(),
+                              "onnxruntime_threads": threads or "default"}, "versions": package_versions()}
         report["throughput"] = throughput(loaded.generator, pair.generator, prompt_ids, new_tokens, rounds)
         report["step_vs_decode"] = step_vs_decode(loaded.generator, tok, ctx, steps=32, rounds=rounds)
         report["step_profile"] = draft_profile(engine, ctx)

@@ -40,11 +40,13 @@ def _parse_ids(value: str) -> list[int]:
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]),
               help="Reference precision [default: fp32]; an engine runs in the dtype it was built with.")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="With --engine: ONNX Runtime intra-op threads (default: one per physical core).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", is_flag=True, help="Include each step's draft tokens and accepted count.")
 def command(engine: Path | None, verify: bool, target: str | None, draft: Path | None, prompt: str | None,
             input_ids: str | None, max_new_tokens: int, temperature: float, seed: int | None, chat: bool, ignore_eos: bool, dtype: str | None,
-            random_weights: bool, as_json: bool, trace: bool) -> None:
+            random_weights: bool, threads: int | None, as_json: bool, trace: bool) -> None:
     """Generate with a Qwen3 target and a DLite draft (speculative decoding)."""
     if (prompt is None) == (input_ids is None):
         raise click.UsageError("pass exactly one of --prompt TEXT or --input-ids 1,2,3")
@@ -67,7 +69,7 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
 
         graphs = ("prefill", "step") if temperature <= GREEDY_EPS else ("prefill_sampling", "step_sampling")
         pair = load_engine(engine, target=target, draft=draft, random_weights=random_weights, verify=verify,
-                           preload=graphs)
+                           preload=graphs, threads=threads)
         if dtype is not None and dtype != pair.generator.manifest.dtype:
             raise click.UsageError(f"the engine was built for {pair.generator.manifest.dtype}; drop --dtype "
                                    "or rebuild the engine with that --dtype")
