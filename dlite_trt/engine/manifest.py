@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -215,8 +215,3 @@ def check_sources(manifest: Manifest, *, target_sha256: str | None, draft_sha256
             raise EngineError(
                 f"the engine {where} was built from a different {what} (sha256 {built[:16]}..., "
                 f"given {given[:16]}...); rebuild it with `dlite-trt build` for this {what}, or drop --{what}.")
-
-
-def summary(manifest: Manifest) -> dict[str, Any]:
-    return {"backend": manifest.backend, "dtype": manifest.dtype, **asdict(manifest.limits),
-            "block_size": manifest.block_size, "target": manifest.target_name}
