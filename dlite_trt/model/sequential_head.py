@@ -54,8 +54,13 @@ def recurrence(
     seed_prev: torch.Tensor | None,  # [B] int64 token at anchor_pos - 1 (G > 1), else None
     temperature: float | torch.Tensor = 0.0,  # a float, or [B] per sequence
     uniforms: torch.Tensor | None = None,  # [B, K] in [0, 1), required when any row samples
+    teacher_tokens: torch.Tensor | None = None,  # [B, K] training: prev_{k+1} = teacher_tokens[:, k]
 ) -> HeadOutput:
-    """The K head steps of one block: tokens [B, K] and the logits [B, K, V] each was chosen from."""
+    """The K head steps of one block: tokens [B, K] and the logits [B, K, V] each was chosen from.
+
+    With ``teacher_tokens`` (teacher forcing, for training) step k+1 is fed the true token
+    instead of the draft's own choice; the returned tokens are still the draft's choices.
+    """
     b, num_steps, hidden_size = draft_hidden.shape
     rank = w.state_proj_bias.shape[0] // 2
     state = draft_hidden.new_zeros(b, rank)
@@ -66,9 +71,10 @@ def recurrence(
     for k in range(num_steps):
         latent, state = recurrence_step(w, state, prev, draft_hidden[:, k])
         step_logits = F.linear(latent, w.output_proj_weight)  # [B, V]
-        prev = sample_from_logits(step_logits, temperature, None if uniforms is None else uniforms[:, k])
-        tokens.append(prev)
+        chosen = sample_from_logits(step_logits, temperature, None if uniforms is None else uniforms[:, k])
+        tokens.append(chosen)
         logits.append(step_logits)
+        prev = chosen if teacher_tokens is None else teacher_tokens[:, k]
     return HeadOutput(torch.stack(tokens, dim=1), torch.stack(logits, dim=1))
 
 

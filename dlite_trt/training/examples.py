@@ -1,0 +1,75 @@
+"""Draft training examples from target-generated sequences (DESIGN 1.4).
+
+A sequence of tokens t_0..t_{L-1} (a prompt and the target's own answer) run through the
+target gives, at every position, the hidden states of the draft's S layers and the target's
+logits. An example is one draft block anchored at position a (1 <= a <= L-2):
+- pivot states chs = hidden[a - 1], and the token group ending at the anchor t_a;
+- for k = 1..K: the target's distribution for d_k, softmax(logits[a + k - 1]) (what the
+  verifier compares d_k against), its greedy token (the CE label), the sequence's own token
+  t_{a+k} (base CE label, and the head's teacher-forced input for step k+1);
+- valid[k] = a + k < L (a block near the end is cut, not dropped).
+This mirrors the decoding loop: at inference the pivot is the verify pass's state one position
+before the anchor, and d_k is accepted iff it equals the target's argmax after d_{k-1}.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from dlite_trt.model.target import TargetAdapter
+
+
+class DraftExamples(NamedTuple):
+    chs: torch.Tensor  # [N, S, H] pivot hidden states
+    group: torch.Tensor  # [N, G] int64 tokens ending with the anchor, left-padded with 0
+    group_len: torch.Tensor  # [N] int64 G' = min(G, a + 1)
+    teacher_tokens: torch.Tensor  # [N, K] int64 t_{a+1..a+K} (0 where invalid)
+    labels: torch.Tensor  # [N, K] int64 the target's greedy token for d_k
+    target_logits: torch.Tensor  # [N, K, V] float32 the target's logits for d_k
+    valid: torch.Tensor  # [N, K] bool
+
+
+@torch.no_grad()
+def target_states(target: TargetAdapter, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states [B, L, S, H] (the draft's layers) and logits [B, L, V] at every position."""
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, L], got {tuple(tokens.shape)}")
+    spec = target.spec
+    b, length = tokens.shape
+    positions = torch.arange(length, device=tokens.device).expand(b, length)
+    empty = tokens.new_zeros((spec.num_hidden_layers, b, spec.num_key_value_heads, 0, spec.head_dim),
+                             dtype=target.embed_weight.dtype)
+    out = target(tokens, positions, empty, empty, tokens.new_zeros(b), positions)
+    return out.hidden, out.logits
+
+
+def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+                   group_size: int, num_proposals: int) -> DraftExamples:
+    """Examples at ``anchors`` [B, A] (positions 1..L-2) of each sequence; N = B * A blocks."""
+    b, length = tokens.shape
+    if anchors.ndim != 2 or anchors.shape[0] != b:
+        raise ValueError(f"anchors must be [B={b}, A], got {tuple(anchors.shape)}")
+    if anchors.numel() and (anchors.min() < 1 or anchors.max() > length - 2):
+        raise ValueError(f"anchors must lie in [1, {length - 2}] for sequences of {length} tokens")
+    rows = torch.arange(b, device=tokens.device)[:, None].expand_as(anchors).reshape(-1)  # [N]
+    a = anchors.reshape(-1)  # [N]
+    k = torch.arange(1, num_proposals + 1, device=tokens.device)  # [K]
+    target_pos = a[:, None] + k[None, :] - 1  # [N, K] the target's prediction for d_k is made here
+    valid = a[:, None] + k[None, :] < length  # t_{a+k} exists
+    safe = target_pos.clamp(max=length - 1)
+    block_logits = logits[rows[:, None], safe].float()  # [N, K, V]
+    teacher = torch.where(valid, tokens[rows[:, None], (a[:, None] + k[None, :]).clamp(max=length - 1)], 0)
+    offsets = torch.arange(group_size - 1, -1, -1, device=tokens.device)  # [G]: a-G+1 .. a
+    group_pos = a[:, None] - offsets[None, :]  # [N, G]
+    group = torch.where(group_pos >= 0, tokens[rows[:, None], group_pos.clamp_min(0)], 0)
+    return DraftExamples(
+        chs=hidden[rows, a - 1],
+        group=group,
+        group_len=(a + 1).clamp(max=group_size),
+        teacher_tokens=teacher,
+        labels=block_logits.argmax(dim=-1),
+        target_logits=block_logits,
+        valid=valid,
+    )

@@ -1,0 +1,88 @@
+"""DLite's training losses (DESIGN 1.4), as pure functions of logits.
+
+Shapes: a batch of N draft blocks, K positions each, vocabulary V. ``draft_logits`` [N, K, V];
+``target_logits`` [N, K, V] the target's logits for the same K positions (the distribution the
+draft must match); ``labels`` [N, K] int64 the target's greedy tokens there; ``valid`` [N, K]
+bool (positions past the end of a sequence do not count). Every reduction is a weighted mean
+over valid positions with the per-position weight exp(-k / gamma), k = 0..K-1: early
+positions matter more, since a block is accepted only up to its first miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dlite_trt.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """The teacher / stage-2 objective: ce * CE(labels) + tv * TV(draft, target) + base_ce * CE(data)."""
+
+    ce: float = 0.1
+    tv: float = 1.0
+    base_ce: float = 0.01  # "small base CE" on the sequence's own next tokens
+    gamma: float = 4.0  # position weights exp(-k / gamma)
+
+    def __post_init__(self) -> None:
+        for name in ("ce", "tv", "base_ce"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"loss weight {name} must be >= 0, got {getattr(self, name)}")
+        if not self.gamma > 0:
+            raise ConfigError(f"gamma must be > 0, got {self.gamma}")
+
+
+def position_weights(num_positions: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[K] weights exp(-k / gamma) for k = 0..K-1."""
+    return torch.exp(-torch.arange(num_positions, dtype=torch.float32, device=device) / gamma)
+
+
+def _weighted_mean(per_position: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Mean of per_position [N, K] over valid positions, weighted by exp(-k / gamma)."""
+    weights = position_weights(per_position.shape[1], gamma, per_position.device)[None, :] * valid.float()
+    total = weights.sum()
+    if total <= 0:
+        raise ValueError("no valid positions in the batch")
+    return (per_position * weights).sum() / total
+
+
+def tv_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Total variation distance 0.5 * sum |p - q| over the last dim: [..., V] -> [...]."""
+    return 0.5 * (p - q).abs().sum(dim=-1)
+
+
+def kl_divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) over the last dim, from logits: [..., V] -> [...]."""
+    log_p = F.log_softmax(teacher_logits.float(), dim=-1)
+    log_q = F.log_softmax(student_logits.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position CE: logits [N, K, V], labels [N, K] -> [N, K]."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+
+
+def target_matching_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
+                         data_labels: torch.Tensor, valid: torch.Tensor,
+                         weights: LossWeights = LossWeights()) -> dict[str, torch.Tensor]:
+    """The teacher's and stage 2's loss. Returns the total and each term (weighted means)."""
+    p_draft = F.softmax(draft_logits.float(), dim=-1)
+    p_target = F.softmax(target_logits.float(), dim=-1)
+    terms = {
+        "ce": _weighted_mean(cross_entropy(draft_logits, labels), valid, weights.gamma),
+        "tv": _weighted_mean(tv_distance(p_draft, p_target), valid, weights.gamma),
+        "base_ce": _weighted_mean(cross_entropy(draft_logits, data_labels), valid, weights.gamma),
+    }
+    terms["loss"] = weights.ce * terms["ce"] + weights.tv * terms["tv"] + weights.base_ce * terms["base_ce"]
+    return terms
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor,
+                      gamma: float = LossWeights.gamma) -> dict[str, torch.Tensor]:
+    """Stage 1 (warm-up): KL(teacher || student), position-weighted."""
+    kl = _weighted_mean(kl_divergence(teacher_logits.detach(), student_logits), valid, gamma)
+    return {"kl": kl, "loss": kl}
