@@ -77,3 +77,73 @@ def test_a_few_steps_lower_the_stage2_loss(setup):
         value.backward()
         opt.step()
     assert loss().item() < 0.8 * first
+
+
+def test_teacher_window(setup):
+    """W = 0 makes the teacher its inner draft; its window slots are the right positions' states,
+    invalid before the sequence start; a few steps lower the teacher's loss."""
+    from dlite_trt.training.teacher import HistoryAwareTeacher, student_logits, window_layers
+
+    _, cfg, target, tokens = setup
+    hidden, logits = target_states(target, tokens)
+    layers = window_layers(cfg)
+    ex = draft_examples(tokens, hidden, logits, torch.tensor([[2, 6], [9, 4]]), cfg.anchor_group_size,
+                        cfg.num_proposals, window=3, window_layers=layers)
+    # example 0 anchors at 2: pivot 1, window positions 0, -1, -2
+    assert ex.window_valid[0].tolist() == [True, False, False]
+    torch.testing.assert_close(ex.window_states[0, 0], hidden[0, 0, list(layers)], atol=0, rtol=0)
+    torch.testing.assert_close(ex.window_states[2, 2], hidden[1, 9 - 1 - 3, list(layers)], atol=0, rtol=0)
+    embed = target.embed_weight.detach()
+    torch.manual_seed(3)
+    plain = HistoryAwareTeacher(cfg, window=0).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ex, embed).logits, student_logits(plain.draft, ex, embed).logits)
+    teacher = HistoryAwareTeacher(cfg, window=3).train()
+    opt = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
+
+    def loss():
+        return target_matching_loss(teacher(ex, embed).logits, ex.target_logits, ex.labels, ex.teacher_tokens,
+                                    ex.valid)["loss"]
+
+    first = loss().item()
+    for _ in range(20):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    assert loss().item() < 0.8 * first
+    assert teacher.window_proj.weight.grad.abs().sum() > 0  # the window is used
+
+
+def test_stage1_distills_with_the_teachers_frozen_head(setup):
+    from dlite_trt.training.stages import adopt_teacher_head, release_head, stage1_loss, stage2_loss
+    from dlite_trt.training.teacher import HistoryAwareTeacher, window_layers
+
+    _, cfg, target, tokens = setup
+    hidden, logits = target_states(target, tokens)
+    ex = draft_examples(tokens, hidden, logits, torch.arange(1, 11).expand(2, -1), cfg.anchor_group_size,
+                        cfg.num_proposals, window=3, window_layers=window_layers(cfg))
+    embed = target.embed_weight.detach()
+    torch.manual_seed(5)
+    teacher = HistoryAwareTeacher(cfg, window=3).eval()
+    student = random_draft(cfg, seed=6).train()
+    adopt_teacher_head(student, teacher)
+    head_before = {k: v.clone() for k, v in student.sequential_head.state_dict().items()}
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=3e-3)
+    first = stage1_loss(student, teacher, ex, embed)["loss"].item()
+    for _ in range(20):
+        opt.zero_grad()
+        stage1_loss(student, teacher, ex, embed)["loss"].backward()
+        opt.step()
+    assert stage1_loss(student, teacher, ex, embed)["loss"].item() < 0.8 * first
+    for name, value in student.sequential_head.state_dict().items():  # frozen: bit-identical
+        assert torch.equal(value, head_before[name]), name
+    release_head(student)
+    opt = torch.optim.AdamW(student.parameters(), lr=3e-3)
+    first = stage2_loss(student, ex, embed)["loss"].item()
+    for _ in range(20):
+        opt.zero_grad()
+        stage2_loss(student, ex, embed)["loss"].backward()
+        opt.step()
+    assert stage2_loss(student, ex, embed)["loss"].item() < 0.8 * first
+    assert not torch.equal(student.sequential_head.output_proj.weight, head_before["output_proj.weight"])

@@ -7,6 +7,8 @@ target's ``embed_tokens``, passed in as ``embed_weight``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -54,6 +56,14 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class ExtraContext(NamedTuple):
+    """Additional context slots (the history-aware teacher's window; never used at inference)."""
+
+    slots: torch.Tensor  # [B, W, H], entering k_proj/v_proj as the pivot slots do
+    positions: torch.Tensor  # [B, W] int64 local RoPE positions (may be negative: before the pivot)
+    valid: torch.Tensor  # [B, W] bool
+
+
 class DLiteDraft(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
@@ -70,6 +80,7 @@ class DLiteDraft(nn.Module):
         group_ids: torch.Tensor,  # [B, G] int64 tokens ending with the anchor, left-padded
         group_len: torch.Tensor,  # [B] int64 G' = min(G, anchor_pos + 1) valid tokens at the right
         embed_weight: torch.Tensor,  # [V, H] the target's embed_tokens weight
+        extra: ExtraContext | None = None,  # training only: the teacher's window slots
     ) -> torch.Tensor:
         """The parallel backbone: returns draft_hidden [B, K, H]."""
         cfg = self.cfg
@@ -100,11 +111,16 @@ class DLiteDraft(nn.Module):
         pad = (g - group_len)[:, None]  # [B, 1]
         q_pos = (slot[None, :] - pad).clamp_min(0)  # [B, G+K]
         c_pos = (group_len - 2).clamp_min(0)[:, None].expand(b, s)  # [B, S]
+        # Non-causal: every query sees every context slot and every valid (non-pad) query.
+        ctx_ok = torch.ones(b, s, dtype=torch.bool, device=chs.device)
+        if extra is not None:  # more context slots, before the query slots
+            ctx = torch.cat([ctx, extra.slots.to(ctx.dtype)], dim=1)
+            c_pos = torch.cat([c_pos, extra.positions], dim=1)
+            ctx_ok = torch.cat([ctx_ok, extra.valid], dim=1)
+        key_ok = torch.cat([ctx_ok, slot[None, :] >= pad], dim=1)
+        allowed = key_ok[:, None, :]  # [B, 1, S(+W)+G+K]: the same keys for every query
         cos_q, sin_q = rope_cos_sin(q_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
         cos_k, sin_k = rope_cos_sin(torch.cat([c_pos, q_pos], dim=1), cfg.head_dim, cfg.rope_theta, x.dtype)
-        # Non-causal: every query sees every context slot and every valid (non-pad) query.
-        key_ok = torch.cat([torch.ones(b, s, dtype=torch.bool, device=chs.device), slot[None, :] >= pad], dim=1)
-        allowed = key_ok[:, None, :]  # [B, 1, S+G+K]: the same keys for every query
         rope = (cos_q, sin_q, cos_k, sin_k)
         for layer in self.layers:
             x = layer(x, ctx, rope, allowed)

@@ -29,6 +29,8 @@ class DraftExamples(NamedTuple):
     labels: torch.Tensor  # [N, K] int64 the target's greedy token for d_k
     target_logits: torch.Tensor  # [N, K, V] float32 the target's logits for d_k
     valid: torch.Tensor  # [N, K] bool
+    window_states: torch.Tensor | None = None  # [N, W, 3, H] teacher only: layers at a-2, a-3, ..., a-1-W
+    window_valid: torch.Tensor | None = None  # [N, W] bool (positions >= 0)
 
 
 @torch.no_grad()
@@ -46,8 +48,13 @@ def target_states(target: TargetAdapter, tokens: torch.Tensor) -> tuple[torch.Te
 
 
 def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
-                   group_size: int, num_proposals: int) -> DraftExamples:
-    """Examples at ``anchors`` [B, A] (positions 1..L-2) of each sequence; N = B * A blocks."""
+                   group_size: int, num_proposals: int, window: int = 0,
+                   window_layers: tuple[int, int, int] = (0, 0, 0)) -> DraftExamples:
+    """Examples at ``anchors`` [B, A] (positions 1..L-2) of each sequence; N = B * A blocks.
+
+    ``window`` > 0 adds the history-aware teacher's inputs: the hidden states of the selected
+    layers ``window_layers`` (indices into S) at the W positions before the pivot.
+    """
     b, length = tokens.shape
     if anchors.ndim != 2 or anchors.shape[0] != b:
         raise ValueError(f"anchors must be [B={b}, A], got {tuple(anchors.shape)}")
@@ -64,7 +71,14 @@ def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, logits: torch.Ten
     offsets = torch.arange(group_size - 1, -1, -1, device=tokens.device)  # [G]: a-G+1 .. a
     group_pos = a[:, None] - offsets[None, :]  # [N, G]
     group = torch.where(group_pos >= 0, tokens[rows[:, None], group_pos.clamp_min(0)], 0)
+    window_states = window_valid = None
+    if window:
+        back = a[:, None] - 1 - torch.arange(1, window + 1, device=tokens.device)[None, :]  # [N, W]
+        window_valid = back >= 0
+        window_states = hidden[rows[:, None], back.clamp_min(0)][:, :, list(window_layers)]  # [N, W, 3, H]
     return DraftExamples(
+        window_states=window_states,
+        window_valid=window_valid,
         chs=hidden[rows, a - 1],
         group=group,
         group_len=(a + 1).clamp(max=group_size),
