@@ -35,6 +35,9 @@ class LossWeights:
             raise ConfigError(f"gamma must be > 0, got {self.gamma}")
 
 
+DEFAULT_WEIGHTS = LossWeights()
+
+
 def position_weights(num_positions: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """[K] weights exp(-k / gamma) for k = 0..K-1."""
     return torch.exp(-torch.arange(num_positions, dtype=torch.float32, device=device) / gamma)
@@ -68,7 +71,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def target_matching_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
                          data_labels: torch.Tensor, valid: torch.Tensor,
-                         weights: LossWeights = LossWeights()) -> dict[str, torch.Tensor]:
+                         weights: LossWeights = DEFAULT_WEIGHTS) -> dict[str, torch.Tensor]:
     """The teacher's and stage 2's loss. Returns the total and each term (weighted means)."""
     p_draft = F.softmax(draft_logits.float(), dim=-1)
     p_target = F.softmax(target_logits.float(), dim=-1)

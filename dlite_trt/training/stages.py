@@ -13,7 +13,7 @@ import torch
 
 from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.training.examples import DraftExamples
-from dlite_trt.training.losses import LossWeights, distillation_loss, target_matching_loss
+from dlite_trt.training.losses import DEFAULT_WEIGHTS, LossWeights, distillation_loss, target_matching_loss
 from dlite_trt.training.teacher import HistoryAwareTeacher, student_logits
 
 
@@ -29,13 +29,13 @@ def release_head(student: DLiteDraft) -> None:
 
 
 def teacher_loss(teacher: HistoryAwareTeacher, ex: DraftExamples, embed_weight: torch.Tensor,
-                 weights: LossWeights = LossWeights()) -> dict[str, torch.Tensor]:
+                 weights: LossWeights = DEFAULT_WEIGHTS) -> dict[str, torch.Tensor]:
     out = teacher(ex, embed_weight)
     return target_matching_loss(out.logits, ex.target_logits, ex.labels, ex.teacher_tokens, ex.valid, weights)
 
 
 def stage1_loss(student: DLiteDraft, teacher: HistoryAwareTeacher, ex: DraftExamples,
-                embed_weight: torch.Tensor, weights: LossWeights = LossWeights()) -> dict[str, torch.Tensor]:
+                embed_weight: torch.Tensor, weights: LossWeights = DEFAULT_WEIGHTS) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         teacher_out = teacher(ex, embed_weight)
     out = student_logits(student, ex, embed_weight)
@@ -43,6 +43,6 @@ def stage1_loss(student: DLiteDraft, teacher: HistoryAwareTeacher, ex: DraftExam
 
 
 def stage2_loss(student: DLiteDraft, ex: DraftExamples, embed_weight: torch.Tensor,
-                weights: LossWeights = LossWeights()) -> dict[str, torch.Tensor]:
+                weights: LossWeights = DEFAULT_WEIGHTS) -> dict[str, torch.Tensor]:
     out = student_logits(student, ex, embed_weight)
     return target_matching_loss(out.logits, ex.target_logits, ex.labels, ex.teacher_tokens, ex.valid, weights)
