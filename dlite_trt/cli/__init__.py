@@ -13,6 +13,7 @@ from dlite_trt.errors import DLiteError
 SUBCOMMANDS = {
     "build": ("build", "Compile a Qwen3 target and a DLite draft into an engine directory."),
     "generate": ("generate", "Generate with a Qwen3 target and a DLite draft (speculative decoding)."),
+    "train": ("train", "Train DLite drafts with the two-stage recipe (data, teacher, student)."),
 }
 
 

@@ -32,12 +32,18 @@ from dlite_trt.runtime.stats import StageTimer
 class SpeculativeGenerator(GeneratorBase):
     """Target + DLite draft in PyTorch."""
 
-    def __init__(self, target: TargetAdapter, draft: DLiteDraft) -> None:
-        if target.layer_ids != draft.cfg.target_layer_ids:
+    def __init__(self, target: TargetAdapter, draft: DLiteDraft | None) -> None:
+        if draft is not None and target.layer_ids != draft.cfg.target_layer_ids:
             raise DLiteError(f"target adapter returns layers {target.layer_ids}, the draft reads "
                              f"{draft.cfg.target_layer_ids}")
         self.target = target
         self.draft = draft
+
+    @classmethod
+    def target_only(cls, target: TargetAdapter) -> SpeculativeGenerator:
+        """A generator without a draft: only ``generate_target_only`` / ``stream_target_only`` work
+        (training data is the target's own output)."""
+        return cls(target, None)
 
     def session(self, prompts: Sequence[Sequence[int]]) -> Session:
         return Session(self, prompts)
@@ -62,7 +68,8 @@ class Session(SessionBase):
                 f"a sequence would reach {longest} tokens, past the target's max_position_embeddings="
                 f"{self.spec.max_position_embeddings}; shorten the prompt or lower max_new_tokens."
             )
-        self.cache.ensure_capacity(longest + self.gen.draft.cfg.block_size)
+        block = 1 if self.gen.draft is None else self.gen.draft.cfg.block_size
+        self.cache.ensure_capacity(longest + block)
 
     def _u(self, uniforms, *shape: int) -> torch.Tensor | None:
         u = uniforms(*shape)
@@ -83,6 +90,8 @@ class Session(SessionBase):
     @torch.inference_mode()
     def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
         """Yield the tokens each engine call emits, per sequence, until every sequence stops."""
+        if self.gen.draft is None:
+            raise DLiteError("this generator has no draft (target_only); use generate_target_only.")
         timer = timer or StageTimer()
         b = self.batch_size
         k_props = self.gen.draft.cfg.num_proposals

@@ -86,7 +86,7 @@ def train(module: nn.Module, loss_fn: Callable[[nn.Module, object], dict[str, to
         optimizer.step()
         ran += 1
         if log is not None and rank == 0:
-            log(step, {k: float(v) for k, v in terms.items()} | {"seconds": time.perf_counter() - started})
+            log(step, {k: float(v.detach()) for k, v in terms.items()} | {"seconds": time.perf_counter() - started})
         last = step + 1 == settings.steps
         if out is not None and rank == 0 and (last or (settings.checkpoint_every
                                                        and (step + 1) % settings.checkpoint_every == 0)):

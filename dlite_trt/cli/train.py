@@ -1,0 +1,157 @@
+"""`dlite-trt train`: data from the target, the history-aware teacher, the student (DESIGN 1.4).
+
+    dlite-trt train data    --target T --prompts SRC --out DATA
+    dlite-trt train teacher --target T --data DATA --init DRAFT --out TEACHER
+    dlite-trt train student --target T --data DATA --init DRAFT --teacher TEACHER --out DRAFT_OUT
+                            [--single-stage]
+
+Every job resumes from its own checkpoints when run again with the same --out. Run under
+`torchrun --nproc-per-node N` for data-parallel training (gloo on CPU, nccl on GPUs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+SEQUENCES = "sequences.jsonl"
+
+
+def _target(target: str, random_weights: bool):
+    from transformers.utils import logging as hf_logging
+
+    from dlite_trt.targets import build_hf_model, load_tokenizer, resolve_target
+
+    hf_logging.disable_progress_bar()
+    source = resolve_target(target, random_weights=random_weights)
+    import torch
+
+    return source, build_hf_model(source, torch.float32), load_tokenizer(source)
+
+
+def _init_distributed() -> None:
+    import os
+
+    import torch
+
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _batches(seq_len: int, batch_seqs: int, anchors: int, seed: int):
+    from dlite_trt.training.pipeline import BatchSettings
+
+    return BatchSettings(seq_len=seq_len, batch_seqs=batch_seqs, anchors=anchors, seed=seed)
+
+
+def _common(f):
+    for option in reversed([
+        click.option("--target", required=True, help="Qwen3 model directory or preset name."),
+        click.option("--data", "data", required=True, type=click.Path(path_type=Path, file_okay=False),
+                     help="Directory written by `dlite-trt train data`."),
+        click.option("--init", "init", required=True, type=click.Path(path_type=Path, file_okay=False),
+                     help="dlite_v1 checkpoint to start from (its config defines the draft)."),
+        click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False)),
+        click.option("--seq-len", default=128, show_default=True, type=click.IntRange(min=4)),
+        click.option("--batch-seqs", default=8, show_default=True, type=click.IntRange(min=1)),
+        click.option("--anchors", default=16, show_default=True, type=click.IntRange(min=1),
+                     help="Draft blocks per sequence window per step."),
+        click.option("--lr", default=3e-4, show_default=True, type=click.FloatRange(min=0, min_open=True)),
+        click.option("--seed", default=0, show_default=True, type=int),
+        click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape."),
+        click.option("--quiet", is_flag=True),
+    ]):
+        f = option(f)
+    return f
+
+
+def _load(target: str, random_weights: bool, data: Path, init: Path):
+    from dlite_trt.checkpoint import load_draft
+    from dlite_trt.model.target import TargetAdapter
+    from dlite_trt.training.data import read_sequences
+
+    source, hf, _ = _target(target, random_weights)
+    draft = load_draft(init, target=source.spec)
+    adapter = TargetAdapter(hf, source.spec, draft.cfg.target_layer_ids).eval().requires_grad_(False)
+    return adapter, read_sequences(data / SEQUENCES, source.spec.vocab_size), draft
+
+
+@click.group("train")
+def command() -> None:
+    """Train DLite drafts with the two-stage recipe (data, teacher, student)."""
+
+
+@command.command("data")
+@click.option("--target", required=True, help="Qwen3 model directory or preset name.")
+@click.option("--prompts", required=True, type=click.Path(path_type=Path),
+              help="JSONL of prompts ({prompt|messages|input_ids}) or a directory of text files.")
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False))
+@click.option("--max-prompt-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-prompts", type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--random-weights", is_flag=True)
+def data(target: str, prompts: Path, out: Path, max_prompt_tokens: int, max_new_tokens: int,
+         max_prompts: int | None, temperature: float, batch_size: int, seed: int, random_weights: bool) -> None:
+    """Answer prompts with the target itself; write token ids to OUT/sequences.jsonl."""
+    from dlite_trt.model.target import TargetAdapter
+    from dlite_trt.runtime.reference import SpeculativeGenerator
+    from dlite_trt.targets import stop_token_ids
+    from dlite_trt.training.data import answer_prompts, read_prompts, write_sequences
+
+    source, hf, tokenizer = _target(target, random_weights)
+    ids = read_prompts(prompts, tokenizer, max_prompt_tokens=max_prompt_tokens, max_prompts=max_prompts, seed=seed)
+    adapter = TargetAdapter(hf, source.spec, (source.spec.num_hidden_layers - 1,))
+    generator = SpeculativeGenerator.target_only(adapter)
+    sequences = answer_prompts(generator, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                               batch_size=batch_size, stop_token_ids=stop_token_ids(source, tokenizer))
+    path = write_sequences(sequences, out / SEQUENCES)
+    tokens = sum(len(s.answer_ids) for s in sequences)
+    click.echo(f"{len(sequences)} sequences, {tokens} answer tokens -> {path}")
+
+
+@command.command("teacher")
+@_common
+@click.option("--window", default=16, show_default=True, type=click.IntRange(min=0),
+              help="Past positions the teacher sees beyond the pivot.")
+@click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1))
+def teacher(target, data, init, out, seq_len, batch_seqs, anchors, lr, seed, random_weights, quiet, window,
+            steps) -> None:
+    """Train the isomorphic history-aware teacher."""
+    from dlite_trt.training.pipeline import train_teacher
+    from dlite_trt.training.trainer import TrainSettings
+
+    _init_distributed()
+    adapter, sequences, draft = _load(target, random_weights, data, init)
+    train_teacher(adapter, sequences, draft, out, TrainSettings(steps=steps, lr=lr),
+                  _batches(seq_len, batch_seqs, anchors, seed), window, progress=not quiet)
+    click.echo(f"teacher -> {out}")
+
+
+@command.command("student")
+@_common
+@click.option("--teacher", "teacher_dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Teacher from `dlite-trt train teacher` (needed for stage 1).")
+@click.option("--stage1-steps", default=500, show_default=True, type=click.IntRange(min=0))
+@click.option("--stage2-steps", default=1000, show_default=True, type=click.IntRange(min=1))
+@click.option("--single-stage", is_flag=True, help="Skip stage 1 (the ablation): stage 2 for both budgets.")
+def student(target, data, init, out, seq_len, batch_seqs, anchors, lr, seed, random_weights, quiet, teacher_dir,
+            stage1_steps, stage2_steps, single_stage) -> None:
+    """Train the student: stage 1 (KL to the teacher), stage 2 (CE + TV against the target)."""
+    from dlite_trt.training.pipeline import StudentPlan, load_teacher, train_student
+
+    _init_distributed()
+    adapter, sequences, draft = _load(target, random_weights, data, init)
+    if single_stage:
+        plan = StudentPlan(stage1_steps=0, stage2_steps=stage1_steps + stage2_steps, lr=lr)
+    else:
+        if teacher_dir is None:
+            raise click.UsageError("two-stage training needs --teacher DIR (or pass --single-stage)")
+        plan = StudentPlan(stage1_steps=stage1_steps, stage2_steps=stage2_steps, lr=lr)
+    mentor = load_teacher(teacher_dir) if plan.stage1_steps else None
+    train_student(adapter, sequences, draft, out, plan, _batches(seq_len, batch_seqs, anchors, seed), mentor,
+                  progress=not quiet)
+    click.echo(f"dlite_v1 draft -> {out}")

@@ -1,0 +1,161 @@
+"""The training jobs behind `dlite-trt train`: teacher, then student (two stages, or one).
+
+A batch (``BatchSource``) is a function of the step: ``batch_seqs`` sequences chosen with a
+seeded generator (sharded across ranks), cut to ``seq_len``-token windows, run through the
+frozen target for hidden states and logits, and ``anchors`` blocks drawn per window.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dlite_trt.checkpoint import save_draft
+from dlite_trt.errors import CheckpointError, ConfigError
+from dlite_trt.model.draft import DLiteDraft
+from dlite_trt.model.target import TargetAdapter
+from dlite_trt.training.data import TrainingSequence, windows
+from dlite_trt.training.examples import DraftExamples, draft_examples, target_states
+from dlite_trt.training.losses import DEFAULT_WEIGHTS, LossWeights
+from dlite_trt.training.stages import adopt_teacher_head, release_head, stage1_loss, stage2_loss, teacher_loss
+from dlite_trt.training.teacher import HistoryAwareTeacher, window_layers
+from dlite_trt.training.trainer import TrainSettings, train
+
+TEACHER_WEIGHTS = "teacher.safetensors"
+TEACHER_CONFIG = "teacher.json"
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    seq_len: int = 128
+    batch_seqs: int = 8
+    anchors: int = 16  # blocks per window
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 4 or self.batch_seqs < 1 or self.anchors < 1:
+            raise ConfigError(f"invalid batch settings {self}: need seq_len >= 4, batch_seqs >= 1, anchors >= 1")
+
+
+class BatchSource:
+    """batch(step, rank, world) -> DraftExamples, deterministic in (seed, step)."""
+
+    def __init__(self, target: TargetAdapter, sequences: Sequence[TrainingSequence], draft: DLiteDraft,
+                 settings: BatchSettings, window: int = 0) -> None:
+        self.target, self.sequences, self.settings, self.window = target, sequences, settings, window
+        self.cfg = draft.cfg
+        self.tokens_seen = 0
+
+    def __call__(self, step: int, rank: int, world: int) -> DraftExamples:
+        s = self.settings
+        g = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
+        rows = torch.randint(0, len(self.sequences), (s.batch_seqs,), generator=g).tolist()
+        anchors = torch.randint(1, s.seq_len - 1, (s.batch_seqs, s.anchors), generator=g)
+        mine = slice(rank * s.batch_seqs // world, (rank + 1) * s.batch_seqs // world)
+        tokens = windows(self.sequences, s.seq_len, rows[mine], seed=s.seed * 7919 + step)
+        hidden, logits = target_states(self.target, tokens)
+        self.tokens_seen += tokens.numel()
+        return draft_examples(tokens, hidden, logits, anchors[mine], self.cfg.anchor_group_size,
+                              self.cfg.num_proposals, self.window, window_layers(self.cfg))
+
+
+def _logger(progress: bool, total: int, what: str) -> tuple[Callable[[int, dict], None], Callable[[], None]]:
+    """A rich progress bar showing the loss and tokens/s; (log, close)."""
+    if not progress:
+        return (lambda step, terms: None), (lambda: None)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn(f"{what} {{task.completed}}/{{task.total}}"), BarColumn(),
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    task = bar.add_task(what, total=total, info="")
+    bar.start()
+    started = time.perf_counter()
+
+    def log(step: int, terms: dict) -> None:
+        bar.update(task, completed=step + 1, info=f"loss {terms['loss']:.4f}  {terms.get('tokens_per_s', 0):.0f} tok/s"
+                   if "tokens_per_s" in terms else f"loss {terms['loss']:.4f}  {time.perf_counter() - started:.0f}s")
+
+    return log, bar.stop
+
+
+def _run(module, loss_fn, source: BatchSource, settings: TrainSettings, out: Path, what: str,
+         progress: bool) -> None:
+    log, close = _logger(progress, settings.steps, what)
+    started = time.perf_counter()
+
+    def with_speed(step: int, terms: dict) -> None:
+        log(step, terms | {"tokens_per_s": source.tokens_seen / max(time.perf_counter() - started, 1e-9)})
+
+    try:
+        train(module, loss_fn, source, settings, out, with_speed)
+    finally:
+        close()
+
+
+def train_teacher(target: TargetAdapter, sequences: Sequence[TrainingSequence], init: DLiteDraft, out: Path,
+                  settings: TrainSettings, batches: BatchSettings, window: int,
+                  weights: LossWeights = DEFAULT_WEIGHTS, progress: bool = True) -> HistoryAwareTeacher:
+    """Train the history-aware teacher (initialised from ``init``'s weights); saved under ``out``."""
+    teacher = HistoryAwareTeacher(init.cfg, window)
+    teacher.draft.load_state_dict(init.state_dict())
+    embed = target.embed_weight.detach()
+    source = BatchSource(target, sequences, init, batches, window)
+    _run(teacher.train(), lambda m, ex: teacher_loss(m, ex, embed, weights), source, settings, out / "teacher-run",
+         "teacher", progress)
+    save_file({k: v.detach().contiguous() for k, v in teacher.state_dict().items()}, str(out / TEACHER_WEIGHTS))
+    (out / TEACHER_CONFIG).write_text(json.dumps({"window": window, "draft_config": init.cfg.to_dict()}, indent=2))
+    return teacher.eval()
+
+
+def load_teacher(directory: Path) -> HistoryAwareTeacher:
+    from dlite_trt.config import DraftConfig
+
+    try:
+        meta = json.loads((directory / TEACHER_CONFIG).read_text())
+        teacher = HistoryAwareTeacher(DraftConfig.from_dict(meta["draft_config"]), int(meta["window"]))
+        teacher.load_state_dict(load_file(str(directory / TEACHER_WEIGHTS)), strict=True)
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot load a teacher from {directory} ({exc}); train one with "
+                              "`dlite-trt train teacher`.") from exc
+    return teacher.eval()
+
+
+@dataclass(frozen=True)
+class StudentPlan:
+    stage1_steps: int  # 0: single-stage (stage 2 only)
+    stage2_steps: int
+    lr: float = 3e-4
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def train_student(target: TargetAdapter, sequences: Sequence[TrainingSequence], student: DLiteDraft, out: Path,
+                  plan: StudentPlan, batches: BatchSettings, teacher: HistoryAwareTeacher | None = None,
+                  weights: LossWeights = DEFAULT_WEIGHTS, progress: bool = True) -> Path:
+    """Stage 1 (KL to the teacher, its head adopted and frozen) then stage 2 (CE + TV against the
+    target); the result is a dlite_v1 checkpoint in ``out``."""
+    embed = target.embed_weight.detach()
+    if plan.stage1_steps:
+        if teacher is None:
+            raise ConfigError("stage 1 needs a teacher; pass one, or train single-stage (stage1_steps = 0)")
+        if teacher.cfg != student.cfg:
+            raise ConfigError("the teacher's draft config differs from the student's; they must be isomorphic")
+        adopt_teacher_head(student, teacher)
+        source = BatchSource(target, sequences, student, batches, teacher.window)
+        _run(student.train(), lambda m, ex: stage1_loss(m, teacher, ex, embed, weights), source,
+             TrainSettings(steps=plan.stage1_steps, lr=plan.lr), out / "stage1-run", "stage 1", progress)
+        release_head(student)  # the transition: everything trains again, now against the target
+    source = BatchSource(target, sequences, student, batches)
+    _run(student.train(), lambda m, ex: stage2_loss(m, ex, embed, weights), source,
+         TrainSettings(steps=plan.stage2_steps, lr=plan.lr), out / "stage2-run", "stage 2", progress)
+    save_draft(student.eval(), out)
+    (out / "training.json").write_text(json.dumps({"plan": plan.to_dict(), "batches": asdict(batches),
+                                                   "loss_weights": asdict(weights)}, indent=2))
+    return out

@@ -1,0 +1,84 @@
+"""`dlite-trt train data | teacher | student` end to end on the tiny pair: the result is a
+dlite_v1 checkpoint the loader takes unchanged, and it decodes losslessly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import hf_greedy
+
+from dlite_trt.checkpoint import load_draft
+from dlite_trt.cli import main
+from dlite_trt.loading import load_pair
+from dlite_trt.runtime.session import SamplingParams
+
+SMALL = ["--seq-len", "32", "--batch-seqs", "2", "--anchors", "4", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_pair, tmp_path_factory):
+    target, draft = tiny_pair
+    root = tmp_path_factory.mktemp("train")
+    texts = root / "texts"
+    texts.mkdir()
+    for i, body in enumerate(["def add(a, b):\n    return a + b\n", "class Point:\n    x = 0\n    y = 0\n",
+                              "import os\nprint(os.getcwd())\n"]):
+        (texts / f"f{i}.py").write_text(body * 8)
+    runner = CliRunner()
+
+    def run(*args):
+        result = runner.invoke(main, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+        return result
+
+    run("train", "data", "--target", target, "--prompts", texts, "--out", root / "data",
+        "--max-prompt-tokens", "24", "--max-new-tokens", "16")
+    common = ["--target", target, "--data", root / "data", "--init", draft, *SMALL]
+    run("train", "teacher", *common, "--out", root / "teacher", "--window", "4", "--steps", "3")
+    run("train", "student", *common, "--teacher", root / "teacher", "--out", root / "student",
+        "--stage1-steps", "2", "--stage2-steps", "2")
+    run("train", "student", *common, "--out", root / "single", "--single-stage", "--stage1-steps", "2",
+        "--stage2-steps", "2")
+    return target, draft, root, run, common
+
+
+def test_data_is_the_targets_own_greedy_output(trained):
+    target, _, root, _, _ = trained
+    rows = [json.loads(line) for line in (root / "data" / "sequences.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        want = hf_greedy(target, row["prompt_ids"], 16)
+        assert row["answer_ids"] == want[: len(row["answer_ids"])] and row["answer_ids"]
+
+
+def test_student_is_a_loadable_lossless_dlite_v1_checkpoint(trained):
+    target, draft, root, _, _ = trained
+    for name in ("student", "single"):
+        trained_draft = load_draft(root / name)
+        initial = load_draft(draft)
+        assert any(not torch.equal(a, b) for a, b in zip(trained_draft.state_dict().values(),
+                                                           initial.state_dict().values(), strict=True))
+        pair = load_pair(target, root / name)
+        prompt = [5, 6, 7, 100, 200]
+        out = pair.generator.generate([prompt], SamplingParams(max_new_tokens=20)).output_ids[0]
+        assert out == hf_greedy(target, prompt, 20)
+    plan = json.loads((root / "single" / "training.json").read_text())["plan"]
+    assert plan == {"stage1_steps": 0, "stage2_steps": 4, "lr": 3e-4}
+
+
+def test_rerun_resumes_and_changes_nothing(trained):
+    _, _, root, run, common = trained
+    before = load_draft(root / "student").state_dict()
+    run("train", "student", *common, "--teacher", root / "teacher", "--out", root / "student",
+        "--stage1-steps", "2", "--stage2-steps", "2")
+    after = load_draft(root / "student").state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_two_stage_needs_a_teacher(trained):
+    target, draft, root, _, common = trained
+    result = CliRunner().invoke(main, ["train", "student", *map(str, common), "--out", str(root / "x")])
+    assert result.exit_code == 2 and "--teacher" in result.output
