@@ -60,16 +60,12 @@ def read_prompts(source: Path, tokenizer: Any | None, *, max_prompt_tokens: int,
     opening, cut at a seeded random length between a quarter and all of ``max_prompt_tokens``.
     """
     source = Path(source)
-    rng = random.Random(seed)
     prompts: list[list[int]] = []
     if source.is_dir():
         if tokenizer is None:
             raise ConfigError(f"{source} holds text files; prompts from text need the target's tokenizer")
         files = sorted(p for p in source.rglob("*") if p.suffix in (".py", ".txt", ".md") and p.is_file())
-        for path in files:
-            ids = tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False)
-            if len(ids) >= 2:
-                prompts.append(ids[: rng.randint(max(1, max_prompt_tokens // 4), max_prompt_tokens)])
+        prompts = prompts_from_files(files, tokenizer, max_prompt_tokens=max_prompt_tokens, seed=seed)
     elif source.is_file():
         for number, line in enumerate(source.read_text().splitlines(), start=1):
             if not line.strip():
@@ -86,6 +82,19 @@ def read_prompts(source: Path, tokenizer: Any | None, *, max_prompt_tokens: int,
     if not prompts:
         raise ConfigError(f"no prompts found in {source}")
     return prompts[:max_prompts] if max_prompts else prompts
+
+
+def prompts_from_files(files: Sequence[Path], tokenizer: Any, *, max_prompt_tokens: int,
+                       seed: int = 0) -> list[list[int]]:
+    """One agent-style prompt per file (a file's opening, to be continued): cut at a seeded random
+    length between a quarter and all of ``max_prompt_tokens``. Files under 2 tokens are skipped."""
+    rng = random.Random(seed)
+    prompts = []
+    for path in files:
+        ids = tokenizer.encode(path.read_text(errors="replace")[: 16 * max_prompt_tokens], add_special_tokens=False)
+        if len(ids) >= 2:
+            prompts.append(ids[: rng.randint(max(1, max_prompt_tokens // 4), max_prompt_tokens)])
+    return prompts
 
 
 def answer_prompts(generator: GeneratorBase, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
