@@ -82,3 +82,30 @@ def test_two_stage_needs_a_teacher(trained):
     target, draft, root, _, common = trained
     result = CliRunner().invoke(main, ["train", "student", *map(str, common), "--out", str(root / "x")])
     assert result.exit_code == 2 and "--teacher" in result.output
+
+
+def test_torchrun_two_processes(trained, tmp_path):
+    """`torchrun --nproc-per-node 2 -m dlite_trt.cli train student ...` (gloo on CPU) runs and
+    writes a checkpoint that loads; rank 0 alone writes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip(f"no torchrun next to {sys.executable}")
+    _, _, _, _, common = trained
+    import socket
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "-m", "dlite_trt.cli", "train",
+           "student", *map(str, common), "--out", str(tmp_path / "ddp"), "--single-stage", "--stage1-steps", "1",
+           "--stage2-steps", "2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    load_draft(tmp_path / "ddp")

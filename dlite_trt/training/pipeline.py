@@ -84,9 +84,15 @@ def _logger(progress: bool, total: int, what: str) -> tuple[Callable[[int, dict]
     return log, bar.stop
 
 
+def _main_process() -> bool:
+    """Rank 0 (or not distributed): the process that shows progress and writes results."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def _run(module, loss_fn, source: BatchSource, settings: TrainSettings, out: Path, what: str,
          progress: bool) -> None:
-    log, close = _logger(progress, settings.steps, what)
+    log, close = _logger(progress and _main_process(), settings.steps, what)
     started = time.perf_counter()
 
     def with_speed(step: int, terms: dict) -> None:
@@ -108,8 +114,10 @@ def train_teacher(target: TargetAdapter, sequences: Sequence[TrainingSequence], 
     source = BatchSource(target, sequences, init, batches, window)
     _run(teacher.train(), lambda m, ex: teacher_loss(m, ex, embed, weights), source, settings, out / "teacher-run",
          "teacher", progress)
-    save_file({k: v.detach().contiguous() for k, v in teacher.state_dict().items()}, str(out / TEACHER_WEIGHTS))
-    (out / TEACHER_CONFIG).write_text(json.dumps({"window": window, "draft_config": init.cfg.to_dict()}, indent=2))
+    if _main_process():
+        save_file({k: v.detach().contiguous() for k, v in teacher.state_dict().items()}, str(out / TEACHER_WEIGHTS))
+        (out / TEACHER_CONFIG).write_text(json.dumps({"window": window, "draft_config": init.cfg.to_dict()},
+                                                     indent=2))
     return teacher.eval()
 
 
@@ -155,7 +163,8 @@ def train_student(target: TargetAdapter, sequences: Sequence[TrainingSequence], 
     source = BatchSource(target, sequences, student, batches)
     _run(student.train(), lambda m, ex: stage2_loss(m, ex, embed, weights), source,
          TrainSettings(steps=plan.stage2_steps, lr=plan.lr), out / "stage2-run", "stage 2", progress)
-    save_draft(student.eval(), out)
-    (out / "training.json").write_text(json.dumps({"plan": plan.to_dict(), "batches": asdict(batches),
-                                                   "loss_weights": asdict(weights)}, indent=2))
+    if _main_process():  # every replica holds the same weights; one writes them
+        save_draft(student.eval(), out)
+        (out / "training.json").write_text(json.dumps({"plan": plan.to_dict(), "batches": asdict(batches),
+                                                       "loss_weights": asdict(weights)}, indent=2))
     return out
