@@ -21,8 +21,8 @@ from pathlib import Path
 import click
 
 BUDGETS = {  # steps per phase; "full" is sized for under an hour on a 2-core CPU
-    "smoke": {"pretrain": 30, "prompts": 16, "teacher": 20, "stage1": 10, "stage2": 20},
-    "full": {"pretrain": 3000, "prompts": 512, "teacher": 800, "stage1": 400, "stage2": 1200},
+    "smoke": {"pretrain": 30, "cuts": 1, "prompts": 16, "teacher": 20, "stage1": 10, "stage2": 20},
+    "full": {"pretrain": 3000, "cuts": 12, "prompts": 2000, "teacher": 1500, "stage1": 800, "stage2": 2500},
 }
 
 
@@ -85,7 +85,9 @@ def main(out: Path, budget: str, single_stage: bool, seed: int) -> None:
     cfg = DraftConfig.for_target(spec, num_hidden_layers=2, chs_num_layers=3, mask_token_id=ids("<|mask|>"),
                                  anchor_group_size=2, block_size=8, sequential_rank=64)
     adapter = TargetAdapter(model, spec, cfg.target_layer_ids).eval().requires_grad_(False)
-    prompts = prompts_from_files(files, tok, max_prompt_tokens=192, seed=seed)[: steps["prompts"]]
+    prompts = prompts_from_files(files, tok, max_prompt_tokens=192, seed=seed, cuts=steps["cuts"])
+    prompts = [prompts[i] for i in torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed))]
+    prompts = prompts[: steps["prompts"]]
     sequences = answer_prompts(SpeculativeGenerator.target_only(adapter), prompts, max_new_tokens=128,
                                batch_size=16, stop_token_ids=())
     write_sequences(sequences, out / "runs" / "data" / "sequences.jsonl")

@@ -60,3 +60,18 @@ def test_windows_are_seeded_and_cover_answers():
     assert w.shape == (2, 16) and torch.equal(w, windows(seqs, 16, [0, 1], seed=4))
     assert (w[0] >= 100).any()  # reaches into the answer
     assert w[1].tolist() == [5] * 13 + [5, 6, 7]
+
+
+def test_prompts_cut_anywhere_in_files(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    from dlite_trt.training.data import prompts_from_files
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    path = tmp_path / "a.py"
+    path.write_text("def f(x):\n    return x + 1\n" * 40)
+    full = tok.encode(path.read_text(), add_special_tokens=False)
+    prompts = prompts_from_files([path], tok, max_prompt_tokens=16, seed=2, cuts=5)
+    assert len(prompts) == 5 and prompts == prompts_from_files([path], tok, max_prompt_tokens=16, seed=2, cuts=5)
+    for p in prompts:  # each is a contiguous piece of the file: the tokens before some cut
+        assert 1 <= len(p) <= 16 and any(full[i: i + len(p)] == p for i in range(len(full) - len(p) + 1))

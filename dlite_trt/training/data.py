@@ -84,16 +84,27 @@ def read_prompts(source: Path, tokenizer: Any | None, *, max_prompt_tokens: int,
     return prompts[:max_prompts] if max_prompts else prompts
 
 
-def prompts_from_files(files: Sequence[Path], tokenizer: Any, *, max_prompt_tokens: int,
-                       seed: int = 0) -> list[list[int]]:
-    """One agent-style prompt per file (a file's opening, to be continued): cut at a seeded random
-    length between a quarter and all of ``max_prompt_tokens``. Files under 2 tokens are skipped."""
+def prompts_from_files(files: Sequence[Path], tokenizer: Any, *, max_prompt_tokens: int, seed: int = 0,
+                       cuts: int = 1) -> list[list[int]]:
+    """Agent-style prompts: "the file so far", to be continued. With ``cuts`` = 1, each file's
+    opening, cut at a seeded random length between a quarter and all of ``max_prompt_tokens``;
+    with more, ``cuts`` seeded cut points anywhere in the file, each prompt the (at most
+    ``max_prompt_tokens``) tokens before its cut. Files under 2 tokens are skipped."""
     rng = random.Random(seed)
     prompts = []
     for path in files:
-        ids = tokenizer.encode(path.read_text(errors="replace")[: 16 * max_prompt_tokens], add_special_tokens=False)
-        if len(ids) >= 2:
-            prompts.append(ids[: rng.randint(max(1, max_prompt_tokens // 4), max_prompt_tokens)])
+        text = path.read_text(errors="replace")
+        if cuts == 1:
+            ids = tokenizer.encode(text[: 16 * max_prompt_tokens], add_special_tokens=False)
+            if len(ids) >= 2:
+                prompts.append(ids[: rng.randint(max(1, max_prompt_tokens // 4), max_prompt_tokens)])
+            continue
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) < 2:
+            continue
+        for _ in range(cuts):
+            end = rng.randint(1, len(ids) - 1)
+            prompts.append(ids[max(0, end - max_prompt_tokens): end])
     return prompts
 
 
