@@ -18,7 +18,6 @@ from dlite_trt.targets import (
     stop_token_ids,
 )
 
-DTYPES = TORCH  # kept: the public name of this table before dlite_trt.dtypes
 
 
 @dataclass
@@ -39,9 +38,9 @@ class LoadedPair:
 def load_pair(target: str | Path, draft: Path, *, dtype: str = "fp32", random_weights: bool = False,
               device: str = "cpu") -> LoadedPair:
     """Resolve and load the target, load the draft (checked against it), build the generator."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    torch_dtype = DTYPES[dtype]
+    if dtype not in TORCH:
+        raise ValueError(f"dtype must be one of {sorted(TORCH)}, got {dtype!r}")
+    torch_dtype = TORCH[dtype]
     source = resolve_target(target, random_weights=random_weights)
     draft_model = load_draft(Path(draft), dtype=torch_dtype, target=source.spec).to(device)
     hf_model = build_hf_model(source, torch_dtype).to(device)

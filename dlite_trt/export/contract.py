@@ -37,7 +37,6 @@ from dlite_trt.errors import ConfigError
 
 GRAPH_NAMES = ("prefill", "step", "prefill_sampling", "step_sampling", "decode")
 SAMPLING_SUFFIX = "_sampling"  # the variant of prefill/step that samples (temperature > 0)
-FLOAT_DTYPES = NUMPY_NAMES
 PAD_TOKEN = -1  # fills the unused tail of ``emitted``
 
 
@@ -164,9 +163,9 @@ def cache_capacity_max(limits: EngineLimits, block_size: int) -> int:
 def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
                     dtype: str = "fp32") -> dict[str, GraphSpec]:
     """The I/O of every graph of an engine for this target, draft, limits and dtype."""
-    if dtype not in FLOAT_DTYPES:
-        raise ConfigError(f"dtype must be one of {sorted(FLOAT_DTYPES)}, got {dtype!r}")
-    fdt = FLOAT_DTYPES[dtype]
+    if dtype not in NUMPY_NAMES:
+        raise ConfigError(f"dtype must be one of {sorted(NUMPY_NAMES)}, got {dtype!r}")
+    fdt = NUMPY_NAMES[dtype]
     k, g = cfg.num_proposals, cfg.anchor_group_size
     n_layers, kv_heads, head_dim = spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim
     v, s, h = spec.vocab_size, cfg.chs_num_layers, spec.hidden_size

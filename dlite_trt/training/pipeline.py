@@ -75,11 +75,9 @@ def _logger(progress: bool, total: int, what: str) -> tuple[Callable[[int, dict]
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     task = bar.add_task(what, total=total, info="")
     bar.start()
-    started = time.perf_counter()
 
     def log(step: int, terms: dict) -> None:
-        bar.update(task, completed=step + 1, info=f"loss {terms['loss']:.4f}  {terms.get('tokens_per_s', 0):.0f} tok/s"
-                   if "tokens_per_s" in terms else f"loss {terms['loss']:.4f}  {time.perf_counter() - started:.0f}s")
+        bar.update(task, completed=step + 1, info=f"loss {terms['loss']:.4f}  {terms['tokens_per_s']:.0f} tok/s")
 
     return log, bar.stop
 

@@ -127,9 +127,10 @@ def _resume(module: nn.Module, optimizer: torch.optim.Optimizer, out: Path) -> i
         saved = torch.load(state, weights_only=True)
     except Exception as exc:  # safetensors and torch raise various types for a damaged file
         raise CheckpointError(f"cannot read the training checkpoint in {out} ({exc}); delete it to start over.") from exc
-    missing, unexpected = module.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"the training checkpoint in {out} is for another model (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}); use a new output directory.")
+    try:
+        module.load_state_dict(tensors, strict=True)
+    except RuntimeError as exc:  # missing, unexpected or mis-shaped tensors
+        raise CheckpointError(f"the training checkpoint in {out} is for another model ({exc}); use a new output "
+                              "directory.") from exc
     optimizer.load_state_dict(saved["optimizer"])
     return int(saved["step"])
