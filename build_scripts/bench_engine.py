@@ -183,8 +183,10 @@ def qwen3_06b(work: Path, steps: int) -> dict:
 
 
 @click.command()
-@click.option("--target", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--draft", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--target", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Target directory [default: the bundled target].")
+@click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Draft directory [default: the bundled draft].")
 @click.option("--engine", type=click.Path(path_type=Path), help="Engine dir (built here when missing).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench_engine.json"), show_default=True)
 @click.option("--prompts", default=4, show_default=True, type=click.IntRange(min=1))
@@ -195,7 +197,7 @@ def qwen3_06b(work: Path, steps: int) -> dict:
 @click.option("--threads", type=click.IntRange(min=1),
               help="ONNX Runtime intra-op threads for the engine (default: ONNX Runtime's, one per physical core).")
 @click.option("--qwen3-0.6b", "big", is_flag=True, help="Also build and run a Qwen3-0.6B-shaped random target.")
-def main(target: Path, draft: Path, engine: Path | None, out: Path, prompts: int, prompt_tokens: int,
+def main(target: Path | None, draft: Path | None, engine: Path | None, out: Path, prompts: int, prompt_tokens: int,
          new_tokens: int, rounds: int, contexts: str, threads: int | None, big: bool) -> None:
     import torch
     from transformers.utils import logging as hf_logging
@@ -206,6 +208,12 @@ def main(target: Path, draft: Path, engine: Path | None, out: Path, prompts: int
     from dlite_trt.loading import load_pair
 
     hf_logging.disable_progress_bar()
+    if (target is None) != (draft is None):
+        raise click.UsageError("pass both --target and --draft, or neither (for the bundled models)")
+    if target is None:
+        from dlite_trt.bundled import bundled_pair
+
+        target, draft = bundled_pair()
     ctx = [int(c) for c in contexts.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         if engine is None or not (engine / "manifest.json").is_file():

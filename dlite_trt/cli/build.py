@@ -8,8 +8,9 @@ import click
 
 
 @click.command("build")
-@click.option("--target", required=True, help="Qwen3 model directory or preset name (qwen3-8b, ...).")
-@click.option("--draft", required=True, type=click.Path(path_type=Path), help="dlite_v1 draft checkpoint directory.")
+@click.option("--target", help="Qwen3 model directory or preset name (qwen3-8b, ...) [default: the bundled target].")
+@click.option("--draft", type=click.Path(path_type=Path),
+              help="dlite_v1 draft checkpoint directory [default: the bundled draft].")
 @click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
               help="Engine directory to write (replaced only once the new engine is complete).")
 @click.option("--backend", type=click.Choice(["onnxruntime"]), default="onnxruntime", show_default=True)
@@ -22,15 +23,23 @@ import click
               help="Prompt tokens per prefill call; longer prompts are prefilled in chunks.")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def command(target: str, draft: Path, out: Path, backend: str, dtype: str, max_seq_len: int, max_batch: int,
-            max_chunk: int, random_weights: bool, quiet: bool) -> None:
-    """Compile a Qwen3 target and a DLite draft into an engine directory."""
+def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str, max_seq_len: int,
+            max_batch: int, max_chunk: int, random_weights: bool, quiet: bool) -> None:
+    """Compile a Qwen3 target and a DLite draft into an engine directory.
+
+    Without --target and --draft: the bundled small target and its trained draft."""
+    if (target is None) != (draft is None):
+        raise click.UsageError("pass both --target and --draft, or neither (for the bundled models)")
     from transformers.utils import logging as hf_logging
 
     from dlite_trt.engine.build import BuildSettings, build_engine
     from dlite_trt.export.contract import EngineLimits
 
     hf_logging.disable_progress_bar()
+    if target is None:
+        from dlite_trt.bundled import bundled_pair
+
+        target, draft = bundled_pair()
     settings = BuildSettings(backend=backend, dtype=dtype, random_weights=random_weights,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len, max_chunk=max_chunk))
     manifest = build_engine(target, draft, out, settings, progress=not quiet)

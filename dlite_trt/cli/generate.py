@@ -27,8 +27,10 @@ def _parse_ids(value: str) -> list[int]:
               help="Engine directory from `dlite-trt build`. With --target/--draft, checks it was built from them.")
 @click.option("--verify", is_flag=True,
               help="With --engine: hash every engine file (by default files above 64 MiB are only size-checked).")
-@click.option("--target", help="Qwen3 model directory or preset name (qwen3-8b, ...).")
-@click.option("--draft", type=click.Path(path_type=Path), help="dlite_v1 draft checkpoint directory.")
+@click.option("--target", help="Qwen3 model directory or preset name (qwen3-8b, ...); "
+                               "without it and --engine, the bundled target.")
+@click.option("--draft", type=click.Path(path_type=Path),
+              help="dlite_v1 draft checkpoint directory; without it and --engine, the bundled draft.")
 @click.option("--prompt", help="Prompt text (tokenized with the target's tokenizer).")
 @click.option("--input-ids", "input_ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=0))
@@ -52,8 +54,9 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
         raise click.UsageError("pass exactly one of --prompt TEXT or --input-ids 1,2,3")
     ids = _parse_ids(input_ids) if input_ids is not None else None
 
-    if engine is None and (target is None or draft is None):
-        raise click.UsageError("pass --engine DIR, or both --target and --draft")
+    if (target is None) != (draft is None):
+        raise click.UsageError("pass both --target and --draft, or neither (--engine DIR alone, or the bundled "
+                               "models without --engine)")
     if verify and engine is None:
         raise click.UsageError("--verify checks an engine directory; pass --engine DIR")
 
@@ -76,6 +79,10 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
     else:
         from dlite_trt.loading import load_pair
 
+        if target is None:
+            from dlite_trt.bundled import bundled_pair
+
+            target, draft = bundled_pair()
         pair = load_pair(target, draft, dtype=dtype or "fp32", random_weights=random_weights)
     tok = pair.tokenizer
     if ids is None:

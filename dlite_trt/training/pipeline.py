@@ -144,9 +144,11 @@ class StudentPlan:
 
 def train_student(target: TargetAdapter, sequences: Sequence[TrainingSequence], student: DLiteDraft, out: Path,
                   plan: StudentPlan, batches: BatchSettings, teacher: HistoryAwareTeacher | None = None,
-                  weights: LossWeights = DEFAULT_WEIGHTS, progress: bool = True) -> Path:
+                  weights: LossWeights = DEFAULT_WEIGHTS, progress: bool = True, runs: Path | None = None) -> Path:
     """Stage 1 (KL to the teacher, its head adopted and frozen) then stage 2 (CE + TV against the
-    target); the result is a dlite_v1 checkpoint in ``out``."""
+    target); the result is a dlite_v1 checkpoint in ``out``. Each stage's resumable state goes
+    under ``runs`` (default: ``out``)."""
+    runs = out if runs is None else runs
     embed = target.embed_weight.detach()
     if plan.stage1_steps:
         if teacher is None:
@@ -156,11 +158,11 @@ def train_student(target: TargetAdapter, sequences: Sequence[TrainingSequence], 
         adopt_teacher_head(student, teacher)
         source = BatchSource(target, sequences, student, batches, teacher.window)
         _run(student.train(), lambda m, ex: stage1_loss(m, teacher, ex, embed, weights), source,
-             TrainSettings(steps=plan.stage1_steps, lr=plan.lr), out / "stage1-run", "stage 1", progress)
+             TrainSettings(steps=plan.stage1_steps, lr=plan.lr), runs / "stage1-run", "stage 1", progress)
         release_head(student)  # the transition: everything trains again, now against the target
     source = BatchSource(target, sequences, student, batches)
     _run(student.train(), lambda m, ex: stage2_loss(m, ex, embed, weights), source,
-         TrainSettings(steps=plan.stage2_steps, lr=plan.lr), out / "stage2-run", "stage 2", progress)
+         TrainSettings(steps=plan.stage2_steps, lr=plan.lr), runs / "stage2-run", "stage 2", progress)
     if _main_process():  # every replica holds the same weights; one writes them
         save_draft(student.eval(), out)
         (out / "training.json").write_text(json.dumps({"plan": plan.to_dict(), "batches": asdict(batches),
