@@ -77,6 +77,13 @@ def test_build_defaults_to_the_bundled_pair(tmp_path, hf_target, held_out_prompt
     assert got == hf_greedy(hf_target, held_out_prompts[0][:50], 24)
 
 
+def test_generate_defaults_to_the_bundled_pair(hf_target, held_out_prompts):
+    ids = ",".join(map(str, held_out_prompts[1][:40]))
+    res = CliRunner().invoke(cli, ["generate", "--input-ids", ids, "--max-new-tokens", "16", "--ignore-eos", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["output_ids"] == hf_greedy(hf_target, held_out_prompts[1][:40], 16)
+
+
 @pytest.mark.parametrize("command", ["build", "generate"])
 def test_target_without_draft_is_a_usage_error(tmp_path, command):
     target, _ = bundled_pair()

@@ -386,8 +386,9 @@ def test_generate_engine_dtype_mismatch_is_a_usage_error(runner, engine_dir):
     assert "Usage:" in result.output
 
 
-@pytest.mark.parametrize("args", [[], ["--target", "TARGET"], ["--draft", "DRAFT"]], ids=["none", "target", "draft"])
-def test_generate_needs_engine_or_target_and_draft(runner, tiny_pair, args):
+@pytest.mark.parametrize("args", [["--target", "TARGET"], ["--draft", "DRAFT"]], ids=["target", "draft"])
+def test_generate_needs_both_target_and_draft(runner, tiny_pair, args):
+    """(Neither at all means the bundled pair: tests/test_bundled_models.py.)"""
     args = [str(tiny_pair[0]) if a == "TARGET" else str(tiny_pair[1]) if a == "DRAFT" else a for a in args]
     result = runner.invoke(main, ["generate", *args, "--input-ids", "5,6,7", "--max-new-tokens", "2"])
     assert_clean_error(result, "--engine", "--target", "--draft", exit_code=2)
