@@ -202,18 +202,14 @@ def main(target: Path | None, draft: Path | None, engine: Path | None, out: Path
     import torch
     from transformers.utils import logging as hf_logging
 
+    from dlite_trt.bundled import pair_or_bundled
     from dlite_trt.engine.build import BuildSettings, build_engine, package_versions
     from dlite_trt.engine.load import load_engine
     from dlite_trt.export.contract import EngineLimits
     from dlite_trt.loading import load_pair
 
     hf_logging.disable_progress_bar()
-    if (target is None) != (draft is None):
-        raise click.UsageError("pass both --target and --draft, or neither (for the bundled models)")
-    if target is None:
-        from dlite_trt.bundled import bundled_pair
-
-        target, draft = bundled_pair()
+    target, draft = pair_or_bundled(target, draft)
     ctx = [int(c) for c in contexts.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         if engine is None or not (engine / "manifest.json").is_file():

@@ -141,6 +141,5 @@ def main(out: Path, work: Path, budget: str, vocab_size: int, hidden_size: int, 
     click.echo(json.dumps(report))
 
 
-
 if __name__ == "__main__":
     main()

@@ -25,3 +25,17 @@ def bundled_pair() -> tuple[Path, Path]:
                                   f"{_HERE}")
     return target, draft
 
+
+def check_pair_options(target: object | None, draft: object | None) -> None:
+    """--target and --draft come together or not at all (a click usage error otherwise)."""
+    if (target is None) != (draft is None):
+        import click
+
+        raise click.UsageError("pass both --target and --draft, or neither (the bundled models; with --engine, "
+                               "the engine's own)")
+
+
+def pair_or_bundled(target: str | Path | None, draft: Path | None) -> tuple[str | Path, Path]:
+    """--target/--draft as given, or the bundled pair when neither is."""
+    check_pair_options(target, draft)
+    return bundled_pair() if target is None else (target, draft)

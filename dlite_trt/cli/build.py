@@ -28,18 +28,14 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     """Compile a Qwen3 target and a DLite draft into an engine directory.
 
     Without --target and --draft: the bundled small target and its trained draft."""
-    if (target is None) != (draft is None):
-        raise click.UsageError("pass both --target and --draft, or neither (for the bundled models)")
     from transformers.utils import logging as hf_logging
 
+    from dlite_trt.bundled import pair_or_bundled
     from dlite_trt.engine.build import BuildSettings, build_engine
     from dlite_trt.export.contract import EngineLimits
 
     hf_logging.disable_progress_bar()
-    if target is None:
-        from dlite_trt.bundled import bundled_pair
-
-        target, draft = bundled_pair()
+    target, draft = pair_or_bundled(target, draft)
     settings = BuildSettings(backend=backend, dtype=dtype, random_weights=random_weights,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len, max_chunk=max_chunk))
     manifest = build_engine(target, draft, out, settings, progress=not quiet)

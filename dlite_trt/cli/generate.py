@@ -54,9 +54,9 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
         raise click.UsageError("pass exactly one of --prompt TEXT or --input-ids 1,2,3")
     ids = _parse_ids(input_ids) if input_ids is not None else None
 
-    if (target is None) != (draft is None):
-        raise click.UsageError("pass both --target and --draft, or neither (--engine DIR alone, or the bundled "
-                               "models without --engine)")
+    from dlite_trt.bundled import check_pair_options, pair_or_bundled
+
+    check_pair_options(target, draft)
     if verify and engine is None:
         raise click.UsageError("--verify checks an engine directory; pass --engine DIR")
 
@@ -79,10 +79,7 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
     else:
         from dlite_trt.loading import load_pair
 
-        if target is None:
-            from dlite_trt.bundled import bundled_pair
-
-            target, draft = bundled_pair()
+        target, draft = pair_or_bundled(target, draft)
         pair = load_pair(target, draft, dtype=dtype or "fp32", random_weights=random_weights)
     tok = pair.tokenizer
     if ids is None:
