@@ -29,13 +29,12 @@ from dlite_trt.engine.manifest import (
     Manifest,
     checkpoint_sha256,
     file_records,
-    random_target_id,
+    target_sha256,
     write_manifest,
 )
 from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
 from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, engine_contract
-from dlite_trt.targets import RANDOM_WEIGHTS_SEED
 
 BACKENDS = tuple(BACKEND_DTYPES)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
@@ -153,8 +152,7 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
             manifest = Manifest(
                 backend=settings.backend, dtype=settings.dtype, limits=limits, target_name=pair.source.name,
                 target_spec=spec,
-                target_sha256=(random_target_id(pair.source.name, RANDOM_WEIGHTS_SEED) if pair.source.is_random
-                               else checkpoint_sha256(pair.source.path)),
+                target_sha256=target_sha256(pair.source),
                 draft_config=cfg, draft_sha256=checkpoint_sha256(Path(draft)),
                 stop_token_ids=stop_token_ids(pair.source, pair.tokenizer), graphs=graphs, contract=contract,
                 files=file_records(tmp, [str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()]),

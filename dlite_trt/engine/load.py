@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from dlite_trt.checkpoint import load_draft_config
-from dlite_trt.engine.manifest import check_sources, checkpoint_sha256, random_target_id
+from dlite_trt.engine.manifest import check_sources, checkpoint_sha256, target_sha256
 from dlite_trt.runtime.engine import EngineGenerator, open_engine
-from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TOKENIZER_FILES, resolve_target
+from dlite_trt.targets import TOKENIZER_FILES, resolve_target
 
 
 @dataclass
@@ -29,8 +29,7 @@ def load_engine(engine_dir: Path, *, target: str | Path | None = None, draft: Pa
     manifest = generator.manifest
     target_sha = draft_sha = None
     if target is not None:
-        source = resolve_target(target, random_weights=random_weights)
-        target_sha = random_target_id(source.name, RANDOM_WEIGHTS_SEED) if source.is_random else checkpoint_sha256(source.path)
+        target_sha = target_sha256(resolve_target(target, random_weights=random_weights))
     if draft is not None:
         load_draft_config(Path(draft))  # a clear error for a missing or wrong draft directory
         draft_sha = checkpoint_sha256(Path(draft))

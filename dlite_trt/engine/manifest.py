@@ -19,12 +19,8 @@ from dlite_trt import __version__
 from dlite_trt.config import DraftConfig, TargetSpec
 from dlite_trt.engine.weights import WEIGHTS_FILE
 from dlite_trt.errors import DLiteError, EngineError
-from dlite_trt.export.contract import (
-    GRAPH_NAMES,
-    EngineLimits,
-    GraphSpec,
-    engine_contract,
-)
+from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, GraphSpec, engine_contract
+from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TargetSource
 
 MANIFEST = "manifest.json"
 FORMAT = "dlite-trt-engine"
@@ -57,9 +53,12 @@ def checkpoint_sha256(directory: Path) -> str:
     return weights_sha256(files)
 
 
-def random_target_id(name: str, seed: int) -> str:
-    """The identity recorded for a --random-weights target (its weights are seeded)."""
-    return f"random-weights:{name}:seed={seed}"
+def target_sha256(source: TargetSource) -> str:
+    """The identity recorded for a target: its weights' sha256, or for a --random-weights target
+    (whose weights are seeded) its preset name and seed."""
+    if source.is_random:
+        return f"random-weights:{source.name}:seed={RANDOM_WEIGHTS_SEED}"
+    return checkpoint_sha256(source.path)
 
 
 @dataclass(frozen=True)
