@@ -83,6 +83,21 @@ def generator(hf_target, spec: TargetSpec, draft: DLiteDraft) -> SpeculativeGene
     return SpeculativeGenerator(TargetAdapter(hf_target, spec, draft.cfg.target_layer_ids), draft)
 
 
+def small_engine(tmp: Path, hf_target, draft: DLiteDraft, **limits):
+    """Save a transformers target and a draft under ``tmp``, build an ONNX Runtime engine, open it."""
+    from dlite_trt.checkpoint import save_draft
+    from dlite_trt.engine.build import BuildSettings, build_engine
+    from dlite_trt.export.contract import EngineLimits
+    from dlite_trt.runtime.engine import open_engine
+
+    hf_target.save_pretrained(tmp / "target")
+    save_draft(draft, tmp / "draft")
+    limits = {"max_batch": 4, "max_seq_len": 128, "max_chunk": 8} | limits
+    build_engine(tmp / "target", tmp / "draft", tmp / "engine", BuildSettings(limits=EngineLimits(**limits)),
+                 progress=False)
+    return open_engine(tmp / "engine")
+
+
 @torch.no_grad()
 def hf_greedy(hf_target, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Target-only greedy decoding with transformers generate (the losslessness oracle).
@@ -135,7 +150,8 @@ class OracleProposals:
                 want = self.expected[row][len(ctx): len(ctx) + k]
                 want = want + [0] * (k - len(want))
                 flip = torch.rand(k, generator=self.rng) < self.corrupt
-                tokens[row] = torch.tensor([(t + 1) % vocab if f else t for t, f in zip(want, flip.tolist())])
+                flips = flip.tolist()
+                tokens[row] = torch.tensor([(t + 1) % vocab if f else t for t, f in zip(want, flips, strict=True)])
             return type(out)(tokens, out.logits)
 
         session._draft = propose

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import bigram_draft, draft_config, generator, hf_greedy, make_target, near_bigram_target, random_draft
+from helpers import (
+    bigram_draft,
+    draft_config,
+    generator,
+    hf_greedy,
+    make_target,
+    near_bigram_target,
+    random_draft,
+    small_engine,
+)
 
 from dlite_trt.checkpoint import save_draft
 from dlite_trt.engine.build import BuildSettings, build_engine
@@ -22,22 +31,13 @@ def _prompts(seed: int, lengths: tuple[int, ...], vocab: int) -> list[list[int]]
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def _engine(tmp, hf, draft, **limits):
-    hf.save_pretrained(tmp / "target")
-    save_draft(draft, tmp / "draft")
-    limits = {"max_batch": 4, "max_seq_len": 128, "max_chunk": 8} | limits
-    build_engine(tmp / "target", tmp / "draft", tmp / "engine", BuildSettings(limits=EngineLimits(**limits)),
-                 progress=False)
-    return open_engine(tmp / "engine")
-
-
 @pytest.fixture(scope="module", params=[(1, 4), (1, 8), (2, 4), (2, 8)], ids=lambda p: f"G{p[0]}-block{p[1]}")
 def bigram_case(request, tmp_path_factory):
     """A near-bigram target and a bigram draft: acceptance is often full, sometimes partial or zero."""
     g, block = request.param
     hf, spec = near_bigram_target(64, seed=g + block)
     draft = bigram_draft(hf, draft_config(spec, block_size=block, anchor_group_size=g))
-    return hf, spec, draft, _engine(tmp_path_factory.mktemp(f"g{g}b{block}"), hf, draft)
+    return hf, spec, draft, small_engine(tmp_path_factory.mktemp(f"g{g}b{block}"), hf, draft)
 
 
 @pytest.mark.parametrize("lengths", [(7,), (2, 13, 21)], ids=["batch1", "batch3"])
@@ -123,7 +123,7 @@ def test_plain_random_target_full_strength(tmp_path):
     """A target whose attention matters at full strength, G=2, prompts of 1 and 30 tokens."""
     hf, spec = make_target(300, seed=4, num_hidden_layers=5, hidden_size=96)
     cfg = draft_config(spec, block_size=8, anchor_group_size=2, chs_num_layers=4, sequential_rank=64)
-    engine = _engine(tmp_path, hf, random_draft(cfg), max_chunk=16)
+    engine = small_engine(tmp_path, hf, random_draft(cfg), max_chunk=16)
     prompts = _prompts(4, (9, 1, 30), 300)
     result = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
     assert result.output_ids == [hf_greedy(hf, p, NEW) for p in prompts]

@@ -11,6 +11,7 @@ from dlite_trt.errors import DLiteError
 
 # subcommand name -> (module under dlite_trt.cli, one-line help shown by --help without importing it)
 SUBCOMMANDS = {
+    "bench": ("bench", "Benchmark DLite against target-only decoding and n-gram lookup, side by side."),
     "build": ("build", "Compile a Qwen3 target and a DLite draft into an engine directory."),
     "generate": ("generate", "Generate with a Qwen3 target and a DLite draft (speculative decoding)."),
     "train": ("train", "Train DLite drafts with the two-stage recipe (data, teacher, student)."),

@@ -47,7 +47,8 @@ def _parse_ids(value: str) -> list[int]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", is_flag=True, help="Include each step's draft tokens and accepted count.")
 def command(engine: Path | None, verify: bool, target: str | None, draft: Path | None, prompt: str | None,
-            input_ids: str | None, max_new_tokens: int, temperature: float, seed: int | None, chat: bool, ignore_eos: bool, dtype: str | None,
+            input_ids: str | None, max_new_tokens: int, temperature: float, seed: int | None, chat: bool,
+            ignore_eos: bool, dtype: str | None,
             random_weights: bool, threads: int | None, as_json: bool, trace: bool) -> None:
     """Generate with a Qwen3 target and a DLite draft (speculative decoding)."""
     if (prompt is None) == (input_ids is None):

@@ -149,7 +149,8 @@ class OrtRunner:
         self.engine_seconds += time.perf_counter() - started
         del keep
         values = io.get_outputs()
-        return {t.name: (v if t.name in DEVICE_OUTPUTS else v.numpy()) for t, v in zip(spec.outputs, values, strict=True)}
+        return {t.name: (v if t.name in DEVICE_OUTPUTS else v.numpy())
+                for t, v in zip(spec.outputs, values, strict=True)}
 
     def _bind_cache(self, graph: str, cache: KVCache) -> None:
         """Bind each past_key.{i}/past_value.{i} to layer i's slice of the cache buffer (no copy)."""

@@ -28,6 +28,8 @@ from dlite_trt.runtime.sampling import (
 from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent
 from dlite_trt.runtime.stats import StageTimer
 
+VERIFY_TOKENS = 8  # tokens per verify call for drafts other than DLite (prompt lookup) without a draft
+
 
 class SpeculativeGenerator(GeneratorBase):
     """Target + DLite draft in PyTorch."""
@@ -68,8 +70,7 @@ class Session(SessionBase):
                 f"a sequence would reach {longest} tokens, past the target's max_position_embeddings="
                 f"{self.spec.max_position_embeddings}; shorten the prompt or lower max_new_tokens."
             )
-        block = 1 if self.gen.draft is None else self.gen.draft.cfg.block_size
-        self.cache.ensure_capacity(longest + block)
+        self.cache.ensure_capacity(longest + self.max_verify_tokens())
 
     def _u(self, uniforms, *shape: int) -> torch.Tensor | None:
         u = uniforms(*shape)
@@ -86,6 +87,22 @@ class Session(SessionBase):
         out = self._run_target(torch.tensor(tokens, device=self.device)[:, None], pos,
                                [int(a) for a in self._active], torch.zeros(b, 1, dtype=torch.long, device=self.device))
         return sample_from_logits(out.logits[:, 0], params.temperature, self._u(uniforms, b)).tolist()
+
+    def max_verify_tokens(self) -> int:
+        return VERIFY_TOKENS if self.gen.draft is None else self.gen.draft.cfg.block_size
+
+    @torch.inference_mode()
+    def _target_verify(self, fed: list[list[int]], pos: list[int], params: SamplingParams,
+                       uniforms) -> list[list[int]]:
+        b, width = self.batch_size, max(map(len, fed))
+        ids = torch.zeros(b, width, dtype=torch.long)
+        for row, toks in enumerate(fed):
+            ids[row, : len(toks)] = torch.tensor(toks)
+        out = self._run_target(ids.to(self.device), pos, [len(t) if a else 0 for t, a in zip(fed, self._active,
+                                                                                              strict=True)],
+                               torch.arange(width, device=self.device).expand(b, -1))
+        tokens = sample_from_logits(out.logits, params.temperature, self._u(uniforms, b, width)).tolist()
+        return [tokens[row][: len(toks)] for row, toks in enumerate(fed)]
 
     @torch.inference_mode()
     def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:

@@ -123,6 +123,16 @@ class SessionBase:
         """Run the target on one token per sequence at ``pos`` (caching it for active rows); the next tokens."""
         raise NotImplementedError
 
+    def max_verify_tokens(self) -> int:
+        """The most tokens one ``_target_verify`` call takes per sequence."""
+        raise NotImplementedError
+
+    def _target_verify(self, fed: list[list[int]], pos: list[int], params: SamplingParams,
+                       uniforms: Uniforms) -> list[list[int]]:
+        """Run the target on fed[b] at positions pos[b].. (all cached for active rows, only the
+        accepted ones count: ``_finish_step`` sets the lengths); the target's token after each fed token."""
+        raise NotImplementedError
+
     def _finish_step(self, proposals: Sequence[Sequence[int]], accepted: Sequence[int],
                      emitted: Callable[[int, int], list[int]], anchor_pos: Sequence[int],
                      params: SamplingParams) -> StepEvent:

@@ -1,0 +1,1 @@
+"""`dlite-trt bench`: workloads, methods side by side, metrics and reports."""

@@ -1,0 +1,111 @@
+"""Step cost against context length: the history-free claim, measured through the engine.
+
+- ``step_vs_decode``: wall time (host work included) of one speculative step and of one
+  target-only decode step, per context length, methods and contexts interleaved each round;
+- ``step_profile``: the step graph's kernel time per call split into the target (verify) and
+  the draft, from ONNX Runtime's profiler. It profiles the unoptimized step graph, whose node
+  names keep their module scopes (``/target/...`` for the target; the draft's modules and the
+  inlined ``LowRankRecurrence`` body for the draft). Each figure is the median over calls.
+  A history-free draft's time must not grow with the context; the target's does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from dlite_trt.runtime.session import SamplingParams, StepEvent
+
+
+def step_times(stream: Iterator[StepEvent]) -> list[float]:
+    """Wall seconds of each engine call after the prefill, timed around the stream's iterator."""
+    next(stream)  # the prefill
+    times = []
+    while True:
+        start = time.perf_counter()
+        try:
+            next(stream)
+        except StopIteration:
+            return times
+        times.append(time.perf_counter() - start)
+
+
+def step_vs_decode(engine: Any, prompts: dict[int, list[int]], steps: int, rounds: int,
+                   progress: Any = None) -> dict[str, dict]:
+    """Median ms of a speculative step and of a decode step per context (``prompts``: context -> ids)."""
+    params = SamplingParams(max_new_tokens=steps)
+    times: dict[int, dict[str, list[float]]] = {ctx: {"spec": [], "decode": []} for ctx in prompts}
+    for round_ in range(rounds + 1):  # round 0 warms up every context's shapes
+        for ctx, prompt in prompts.items():
+            spec = step_times(engine.session([prompt]).stream(params))
+            dec = step_times(engine.session([prompt]).stream_target_only(params))
+            if round_:
+                times[ctx]["spec"] += spec
+                times[ctx]["decode"] += dec
+            if progress is not None:
+                progress()
+    rows = {}
+    for ctx in prompts:
+        spec_s, dec_s = (statistics.median(times[ctx][k]) for k in ("spec", "decode"))
+        rows[str(ctx)] = {"speculative_step_ms": spec_s * 1e3, "decode_step_ms": dec_s * 1e3,
+                          "ratio": spec_s / dec_s, "samples": len(times[ctx]["spec"])}
+    base = rows[str(next(iter(prompts)))]["ratio"]
+    for row in rows.values():
+        row["ratio_vs_first_context"] = row["ratio"] / base
+    return rows
+
+
+def step_profile(engine_dir: Path, contexts: Sequence[int], *, runs: int = 50, threads: int | None = None,
+                 progress: Any = None) -> dict[str, dict]:
+    """Median kernel ms per step-graph call in the target, the draft and the rest, per context."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from dlite_trt.engine.manifest import load_manifest
+    from dlite_trt.export.contract import dummy_inputs
+    from dlite_trt.export.recurrence import OP_NAME
+    from dlite_trt.model.draft import DLiteDraft
+
+    manifest = load_manifest(engine_dir)
+    draft_scopes = tuple(f"/{name}" for name, _ in DLiteDraft(manifest.draft_config).named_children())
+    spec = manifest.contract["step"]
+    warmup = 5
+    rows = {}
+    for ctx in contexts:
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = str(Path(tempfile.gettempdir()) / "dlite_step_profile")
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if threads:
+            so.intra_op_num_threads = threads
+        session = ort.InferenceSession(str(engine_dir / manifest.graphs["step"]["onnx"]), so,
+                                       providers=["CPUExecutionProvider"])
+        feeds = dummy_inputs(spec, {"batch": 1, "cache": ctx + 128}, vocab_size=manifest.target_spec.vocab_size,
+                             rng=np.random.default_rng(0))
+        feeds["past_len"][:] = ctx
+        for _ in range(runs + warmup):
+            session.run(None, feeds)
+        profile = Path(session.end_profiling())
+        events = json.loads(profile.read_text())
+        profile.unlink()
+        starts = sorted(e["ts"] for e in events if e.get("name") == "model_run")
+        per_run = [{"target": 0.0, "draft": 0.0, "other": 0.0} for _ in starts]
+        for e in events:
+            name = e.get("name", "")
+            if e.get("cat") != "Node" or not name.endswith("_kernel_time"):
+                continue
+            part = ("target" if name.startswith("/target/") else
+                    "draft" if name.startswith(draft_scopes) or name.startswith(f"_inlfunc_{OP_NAME}") else "other")
+            per_run[bisect.bisect_right(starts, e["ts"]) - 1][part] += e["dur"] / 1e3
+        timed = per_run[warmup:]
+        rows[str(ctx)] = {f"{k}_ms": statistics.median(r[k] for r in timed) for k in ("target", "draft", "other")}
+        rows[str(ctx)]["runs"] = len(timed)
+        if progress is not None:
+            progress()
+    return rows

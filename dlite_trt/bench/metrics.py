@@ -1,0 +1,112 @@
+"""What one timed request yields, and the per-workload, per-method summary of many.
+
+A request is one call that generates (one turn of a session, for a batch of one or more
+sequences). ``measure`` times a stream of ``StepEvent``s: the first event is the prefill
+(time to first token), each later one a step whose tokens per sequence make the acceptance
+lengths (n + 1 per speculative step, 1 per target-only decode step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dlite_trt.runtime.session import StepEvent
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    workload: str
+    method: str
+    task_id: str
+    turn: int
+    batch: int
+    context_tokens: int  # longest sequence's context when the call started (prompt + earlier turns)
+    output_tokens: int = 0  # generated, all sequences
+    ttft_s: float = 0.0  # until the prefill's token
+    total_s: float = 0.0
+    step_tokens: list[int] = field(default_factory=list)  # tokens per step per sequence (n + 1, or 1 for a decode)
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # draft tokens accepted
+    stage_s: dict[str, float] = field(default_factory=dict)  # the generator's own stage timers
+    draft_context_tokens: int = 0  # context tokens the drafter processed outside decoding (a new turn)
+    draft_state_bytes: int = 0  # what the drafter keeps between steps, at the end of the request
+    output_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, per sequence (None with a single token)."""
+        per_row = self.output_tokens / max(self.batch, 1)
+        return (self.total_s - self.ttft_s) / (per_row - 1) if per_row > 1 else None
+
+
+def measure(events: Iterable[StepEvent], record: RequestRecord,
+            clock: Callable[[], float] = time.perf_counter) -> RequestRecord:
+    """Consume a generator's stream, filling the record's timings, tokens and acceptance counts."""
+    start = clock()
+    outputs: list[list[int]] = []
+    first = True
+    for event in events:
+        now = clock()
+        if not outputs:
+            outputs = [[] for _ in event.new_tokens]
+        for row, toks in enumerate(event.new_tokens):
+            outputs[row].extend(toks)
+        if first:
+            record.ttft_s = now - start
+            first = False
+        elif event.record is None:  # a target-only decode step: one token per active sequence
+            record.step_tokens += [len(toks) for toks in event.new_tokens if toks]
+        else:
+            for drafts, n in zip(event.record.draft_tokens, event.record.accepted, strict=True):
+                if n is not None:
+                    record.step_tokens.append(n + 1)
+                    record.proposed += len(drafts)
+                    record.accepted += n
+    record.total_s = clock() - start
+    record.output_ids = outputs
+    record.output_tokens = sum(map(len, outputs))
+    return record
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES}
+    return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
+
+
+def summarize(records: Sequence[RequestRecord], max_step_tokens: int) -> dict:
+    """Every figure of one method on one workload, from its requests."""
+    tokens = sum(r.output_tokens for r in records)
+    seconds = sum(r.total_s for r in records)
+    steps = [n for r in records for n in r.step_tokens]
+    proposed = sum(r.proposed for r in records)
+    histogram = Counter(steps)
+    draft_s = sum(r.stage_s.get("draft", 0.0) + r.stage_s.get("draft_context", 0.0) for r in records)
+    decode_s = sum(r.total_s - r.ttft_s for r in records)
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds else None,
+        "mean_acceptance_length": sum(steps) / len(steps) if steps else None,
+        "acceptance_histogram": {str(n): histogram.get(n, 0) for n in range(1, max_step_tokens + 1)},
+        "steps": len(steps),
+        "draft_tokens_proposed": proposed,
+        "draft_tokens_accepted": sum(r.accepted for r in records),
+        "acceptance_rate": sum(r.accepted for r in records) / proposed if proposed else None,
+        "ttft_s": percentiles([r.ttft_s for r in records]),
+        "tpot_s": percentiles([t for r in records if (t := r.tpot_s) is not None]),
+        "host_draft_share": draft_s / decode_s if decode_s and draft_s else None,
+        "draft_context_tokens": sum(r.draft_context_tokens for r in records),
+        "draft_context_s": sum(r.stage_s.get("draft_context", 0.0) for r in records),
+        "draft_state_bytes_max": max((r.draft_state_bytes for r in records), default=0),
+        "context_tokens": {"mean": sum(r.context_tokens for r in records) / len(records) if records else None,
+                           "max": max((r.context_tokens for r in records), default=0)},
+    }

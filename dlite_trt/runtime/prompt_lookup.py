@@ -1,0 +1,128 @@
+"""Model-free n-gram prompt lookup, verified by the target: the free baseline for agentic/code traffic.
+
+As transformers' ``prompt_lookup_num_tokens`` and vLLM's ``ngram`` method: the last n tokens of a
+sequence (n from ``max_ngram`` down to ``min_ngram``) are looked up earlier in the same sequence
+(prompt and output), and the tokens that followed that occurrence are proposed. Here the most
+recent occurrence wins (agentic contexts repeat what was just shown). The target verifies the
+proposal in one call, exactly as it verifies a DLite block: greedy keeps the leading drafts the
+target agrees with, so the output is the target's own greedy output. A step without a match is a
+plain decode step.
+
+The index is kept incrementally: each token is indexed once, when it stops being the last token,
+so a step costs O(n-gram size), not O(context). What the drafter must process when the context
+changes (a new turn, a tool result) is exactly the appended tokens; ``sync`` indexes and counts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from dlite_trt.errors import DLiteError
+from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent
+from dlite_trt.runtime.stats import StageTimer
+
+
+@dataclass(frozen=True)
+class PromptLookupConfig:
+    num_tokens: int = 7  # proposals per step (K)
+    max_ngram: int = 3
+    min_ngram: int = 2
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise DLiteError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}.")
+        if self.num_tokens < 1:
+            raise DLiteError(f"prompt lookup needs num_tokens >= 1, got {self.num_tokens}.")
+
+
+class NgramIndex:
+    """For one sequence: n-gram -> the position just after its most recent occurrence."""
+
+    def __init__(self, cfg: PromptLookupConfig) -> None:
+        self.cfg = cfg
+        self.last: list[dict[tuple[int, ...], int]] = [{} for _ in range(cfg.max_ngram + 1)]
+        self.indexed = 0  # tokens[:indexed] are indexed as n-gram ends (the last token never is)
+
+    def _catch_up(self, tokens: Sequence[int]) -> int:
+        """Index every n-gram ending before the last token; returns how many tokens were new."""
+        start, end = self.indexed, len(tokens) - 1
+        for i in range(start, end):  # an n-gram ending at i is followed by tokens[i + 1]
+            for n in range(self.cfg.min_ngram, self.cfg.max_ngram + 1):
+                if i + 1 >= n:
+                    self.last[n][tuple(tokens[i + 1 - n : i + 1])] = i + 1
+        self.indexed = max(start, end)
+        return max(0, end - start)
+
+    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the longest, most recent earlier match of the suffix."""
+        self._catch_up(tokens)
+        for n in range(min(self.cfg.max_ngram, len(tokens)), self.cfg.min_ngram - 1, -1):
+            follow = self.last[n].get(tuple(tokens[len(tokens) - n :]))
+            if follow is not None:
+                return list(tokens[follow : follow + limit])
+        return []
+
+
+class PromptLookupDrafter:
+    """One index per sequence of a session; keep it for the session's lifetime (multi-turn)."""
+
+    def __init__(self, batch: int, cfg: PromptLookupConfig | None = None) -> None:
+        self.cfg = cfg or PromptLookupConfig()
+        self.indexes = [NgramIndex(self.cfg) for _ in range(batch)]
+        self.context_tokens = 0  # tokens indexed by ``sync``: the work a new prompt or turn costs
+
+    def sync(self, tokens: Sequence[Sequence[int]]) -> int:
+        """Index what the sequences gained outside decoding (a prompt, an appended turn); returns the count."""
+        count = sum(ix._catch_up(t) for ix, t in zip(self.indexes, tokens, strict=True))
+        self.context_tokens += count
+        return count
+
+    def state_bytes(self) -> int:
+        """Index size, counted as 8 bytes per stored integer (the n-gram's ids and its position)."""
+        return sum(8 * (n + 1) * len(table) for ix in self.indexes for n, table in enumerate(ix.last))
+
+    def propose(self, row: int, tokens: Sequence[int], limit: int) -> list[int]:
+        return self.indexes[row].propose(tokens, min(limit, self.cfg.num_tokens))
+
+
+def stream_prompt_lookup(session: SessionBase, params: SamplingParams, drafter: PromptLookupDrafter,
+                         timer: StageTimer | None = None) -> Iterator[StepEvent]:
+    """Speculative decoding with prompt-lookup drafts, verified by the session's target.
+
+    Each step feeds [last token, d_1..d_m] (m <= K, 0 without a match) to the target and keeps
+    d_1..d_n while the target's token at each position equals the next draft, plus the target's
+    own token after d_n. With sampling, a one-hot draft is accepted when the target's sample
+    equals it; the first sample that differs is the correction, so the output follows the
+    target's distribution.
+    """
+    if len(drafter.indexes) != session.batch_size:
+        raise DLiteError(f"the drafter has {len(drafter.indexes)} sequences, the session {session.batch_size}.")
+    timer = timer or StageTimer()
+    b = session.batch_size
+    limit = session.max_verify_tokens() - 1
+    uniforms = session._start(params)
+    if params.max_new_tokens == 0:
+        return
+    with timer.time("draft_context"):
+        drafter.sync(session.tokens)
+    with timer.time("prefill"):
+        first = session._target_first(params, uniforms)
+    yield StepEvent(tuple(session._emit(row, [first[row]], params) for row in range(b)), None)
+    while any(session._active):
+        with timer.time("draft"):
+            proposals = [drafter.propose(row, session.tokens[row], limit) if session._active[row] else []
+                         for row in range(b)]
+        with timer.time("verify"):
+            pos = [len(t) - 1 for t in session.tokens]  # the last token, not yet cached
+            fed = [[session.tokens[row][-1], *proposals[row]] for row in range(b)]
+            target = session._target_verify(fed, pos, params, uniforms)
+            accepted = []
+            for row in range(b):
+                n = 0
+                while n < len(proposals[row]) and target[row][n] == proposals[row][n]:
+                    n += 1
+                accepted.append(n)
+            event = session._finish_step(
+                proposals, accepted, lambda row, n, p=proposals, t=target: p[row][:n] + [t[row][n]], pos, params)
+        yield event

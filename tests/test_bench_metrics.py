@@ -1,0 +1,81 @@
+"""Bench metrics from a scripted run whose acceptance lengths and timings are known in advance."""
+
+from __future__ import annotations
+
+from dlite_trt.bench.metrics import RequestRecord, measure, summarize
+from dlite_trt.bench.report import goals
+from dlite_trt.runtime.session import StepEvent
+from dlite_trt.runtime.stats import StepRecord
+
+
+def _clock(times):
+    it = iter(times)
+    return lambda: next(it)
+
+
+def _scripted_speculative():
+    """Batch 1, K = 3: prefill (1 token), then steps accepting 2, 0 and 3 drafts."""
+    yield StepEvent(((5,),), None)
+    yield StepEvent(((6, 7, 8),), StepRecord(((6, 7, 1),), (2,)))
+    yield StepEvent(((9,),), StepRecord(((4, 4, 4),), (0,)))
+    yield StepEvent(((1, 2, 3, 4),), StepRecord(((1, 2, 3),), (3,)))
+
+
+def test_measure_a_scripted_speculative_request():
+    record = measure(_scripted_speculative(), RequestRecord("w", "dlite", "t", 0, 1, 10),
+                     clock=_clock([0.0, 1.0, 1.5, 1.75, 2.25, 2.5]))
+    assert record.output_ids == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert record.output_tokens == 9
+    assert record.step_tokens == [3, 1, 4]
+    assert (record.proposed, record.accepted) == (9, 5)
+    assert record.ttft_s == 1.0 and record.total_s == 2.5
+    assert record.tpot_s == 1.5 / 8
+
+    s = summarize([record], max_step_tokens=4)
+    assert s["mean_acceptance_length"] == 8 / 3
+    assert s["acceptance_histogram"] == {"1": 1, "2": 0, "3": 1, "4": 1}
+    assert s["acceptance_rate"] == 5 / 9
+    assert s["tokens_per_second"] == 9 / 2.5
+    assert s["steps"] == 3
+
+
+def test_target_only_and_finished_rows():
+    """Decode steps count one token per active row; rows that finished hold None in a record."""
+    def events():
+        yield StepEvent(((1,), (2,)), None)
+        yield StepEvent(((3,), ()), None)  # row 1 finished
+        yield StepEvent(((4, 5), ()), StepRecord(((4, 9), None), (1, None)))
+
+    record = measure(events(), RequestRecord("w", "x", "t", 0, 2, 3), clock=_clock([0.0, 0.5, 1.0, 2.0, 2.0]))
+    assert record.step_tokens == [1, 2]
+    assert record.output_tokens == 5
+    assert (record.proposed, record.accepted) == (2, 1)
+    assert record.tpot_s == (2.0 - 0.5) / (5 / 2 - 1)
+
+
+def test_percentiles_over_requests():
+    records = []
+    for ttft in (1.0, 2.0, 3.0, 5.0):
+        records.append(measure(iter([StepEvent(((1,),), None), StepEvent(((2,),), None)]),
+                               RequestRecord("w", "ar", "t", 0, 1, 4), clock=_clock([0.0, ttft, ttft + 1.0, ttft + 1.0])))
+    s = summarize(records, max_step_tokens=1)
+    # linear interpolation between order statistics: rank p/100 * (n - 1)
+    assert s["ttft_s"] == {"p50": 2.5, "p90": 3.0 + 0.7 * 2.0, "p99": 3.0 + 0.97 * 2.0}
+    assert s["tpot_s"] == {"p50": 1.0, "p90": 1.0, "p99": 1.0}
+    assert s["mean_acceptance_length"] == 1.0 and s["acceptance_rate"] is None
+
+
+def test_goals():
+    def method(tps, al):
+        return {"tokens_per_second": tps, "speedup_over_ar": tps / 100.0, "mean_acceptance_length": al}
+
+    report = {"workloads": {"a": {"methods": {"ar": method(100.0, 1.0), "dlite": method(250.0, 3.0),
+                                              "ngram": method(200.0, 2.0)}},
+                            "b": {"methods": {"ar": method(100.0, 1.0), "dlite": method(150.0, 2.5),
+                                              "ngram": method(200.0, 2.0)}}},
+              "context_cost": {"step_profile": {"256": {"draft_ms": 2.0}, "16384": {"draft_ms": 2.25}}}}
+    g = goals(report)
+    assert g["a"]["speedup_over_al"] == 2.5 / 3.0 and g["a"]["speedup_at_least_0.8_al"]
+    assert g["a"]["ahead_of_ngram"] and g["a"]["dlite_over_ngram"] == 1.25
+    assert not g["b"]["speedup_at_least_0.8_al"] and not g["b"]["ahead_of_ngram"]
+    assert g["draft_time_flat"] == {"contexts": [256, 16384], "ratio": 1.125, "within_10_percent": False}
