@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 from helpers import draft_config, make_target, random_draft
@@ -66,3 +67,26 @@ def test_target_adapter_exports(tmp_path):
                                ["logits", "hidden", "new_k", "new_v"], dyn, tmp_path / "t.onnx")
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
+
+
+def test_shape_plumbing_does_not_grow_with_layers(tmp_path):
+    """Reshapes export with constant shapes and static sizes as constants: the Shape ops of the
+    exported target are per graph (inputs, masks), none per layer. At the tiny sizes of CI those
+    chains of Shape -> Gather -> Unsqueeze -> Concat cost more per call than the matmuls."""
+    shape_ops = []
+    for layers in (2, 4):
+        hf, spec = make_target(64, seed=0, num_hidden_layers=layers)
+        module = TargetAdapter(hf, spec, (0, layers - 1)).eval()
+        kv = (layers, 2, spec.num_key_value_heads, 7, spec.head_dim)
+        args = (torch.randint(0, 64, (2, 3)), torch.arange(3).expand(2, -1).contiguous(), torch.randn(kv),
+                torch.randn(kv), torch.full((2,), 7), torch.arange(3).expand(2, -1).contiguous())
+        names = ["input_ids", "positions", "past_k", "past_v", "past_len", "output_index"]
+        dyn = {"input_ids": {0: "b", 1: "t"}, "positions": {0: "b", 1: "t"}, "past_k": {1: "b", 3: "p"},
+               "past_v": {1: "b", 3: "p"}, "past_len": {0: "b"}, "output_index": {0: "b", 1: "r"}}
+        path = tmp_path / f"t{layers}.onnx"
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, args, str(path), dynamo=False, opset_version=18, input_names=names,
+                              output_names=["logits", "hidden", "new_k", "new_v"], dynamic_axes=dyn)
+        shape_ops.append(sum(n.op_type == "Shape" for n in onnx.load(str(path)).graph.node))
+    assert shape_ops[0] == shape_ops[1], f"Shape ops with 2 and 4 layers: {shape_ops}"

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dlite_trt.config import DraftConfig
-from dlite_trt.model.ops import MLP, RMSNorm, apply_rope, attention, rope_cos_sin
+from dlite_trt.model.ops import MLP, RMSNorm, apply_rope, attention, reshape, rope_cos_sin
 from dlite_trt.model.sequential_head import HeadOutput, SequentialHead
 
 
@@ -32,12 +32,12 @@ class DraftAttention(nn.Module):
     def forward(self, a: torch.Tensor, ctx: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor,
                 cos_k: torch.Tensor, sin_k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """a [B, Q, H] normed queries; ctx [B, S, H]; allowed [B, 1, S+Q] (per key) -> [B, Q, H]."""
-        b, nq, _ = a.shape
         d = self.head_dim
-        q = self.q_norm(self.q_proj(a).view(b, nq, -1, d)).transpose(1, 2)  # [B, nH, Q, D]
+        split_heads = (0, 0, -1, d)  # [B, L, h * D] -> [B, L, h, D]
+        q = self.q_norm(reshape(self.q_proj(a), split_heads)).transpose(1, 2)  # [B, nH, Q, D]
         kv_in = torch.cat([ctx, a], dim=1)  # [B, S+Q, H]: ctx enters as is, not re-normed
-        k = self.k_norm(self.k_proj(kv_in).view(b, kv_in.shape[1], -1, d)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, d).transpose(1, 2)
+        k = self.k_norm(reshape(self.k_proj(kv_in), split_heads)).transpose(1, 2)
+        v = reshape(self.v_proj(kv_in), split_heads).transpose(1, 2)
         q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos_k, sin_k)
         return self.o_proj(attention(q, (k,), (v,), (allowed,), d ** -0.5))
 

@@ -3,6 +3,12 @@
 Plain tensor ops only: RoPE from explicit integer positions as real cos/sin, attention as
 matmul + additive mask + softmax (no SDPA dispatch, no cache objects), so the same code runs
 eagerly and traces into ONNX.
+
+Shapes are written so the traced graph stays small: sizes the engine contract fixes (heads,
+head_dim, rank) are Python ints (``static_size``), and reshapes that keep dynamic dims (batch,
+tokens) use ``reshape`` with ONNX's 0 = "copy this dim" semantics, which exports as ONE Reshape
+with a constant shape instead of a Shape -> Gather -> Unsqueeze -> Concat chain per call site.
+At small sizes on CPU those chains, not the matmuls, dominated a call's time.
 """
 
 from __future__ import annotations
@@ -12,6 +18,40 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def static_size(x: torch.Tensor, dim: int) -> int:
+    """``x.shape[dim]`` as a Python int even while tracing (where sizes are traced tensors), so
+    the exporter writes a constant. Only for sizes the engine contract fixes (heads, head_dim,
+    hidden, rank), never for batch, token or cache dims."""
+    return int(x.shape[dim])
+
+
+class _ConstantReshape(torch.autograd.Function):
+    """Exports as one ONNX Reshape whose shape is a constant (0 copies the input's dim)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return x.reshape(_resolve_shape(x, shape))
+
+    @staticmethod
+    def symbolic(g, x, shape: tuple[int, ...]):
+        return g.op("Reshape", x, g.op("Constant", value_t=torch.tensor(shape, dtype=torch.int64)))
+
+
+def _resolve_shape(x: torch.Tensor, shape: Sequence[int]) -> list[int]:
+    if any(s == 0 and i >= x.ndim for i, s in enumerate(shape)):
+        raise ValueError(f"reshape {tuple(shape)}: a 0 (copy) entry past the input's rank {x.ndim}")
+    return [x.shape[i] if s == 0 else s for i, s in enumerate(shape)]
+
+
+def reshape(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``x.reshape(shape)`` with ONNX semantics: an entry 0 keeps x's size at that index, one
+    entry may be -1. Eagerly a plain reshape (autograd as usual); in ONNX export one Reshape
+    with a constant shape, however dynamic the kept dims are."""
+    if torch.onnx.is_in_onnx_export():
+        return _ConstantReshape.apply(x, tuple(int(s) for s in shape))
+    return x.reshape(_resolve_shape(x, shape))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,7 +98,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, h, T, D] rotated by cos/sin [B, T, D]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
+    half = static_size(x, -1) // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
@@ -73,30 +113,38 @@ def attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[to
     it depends only on the key). Returns [B, T, nH * D]. Each query row must allow at least one
     key. Masks are applied as additive 0 / finfo.min biases built at mask size and broadcast,
     so each chunk's scores get one pass: at long contexts these passes, not the matmuls, cost most.
+    Whether a mask varies per query (its dim 1 is not 1) is read when tracing: it is structural
+    (a cache mask never does, a causal block mask does), so the exported graph keeps it.
     """
     if not len(keys) == len(values) == len(masks):
         raise ValueError(f"{len(keys)} key chunks, {len(values)} value chunks and {len(masks)} masks must agree")
-    b, n_heads, t, d = q.shape
-    kv_heads = keys[0].shape[1]
+    n_heads, d = static_size(q, 1), static_size(q, 3)
+    kv_heads = static_size(keys[0], 1)
     groups = n_heads // kv_heads
-    # heads of one kv group stacked along T; the scale is applied to q (T x D values), not to
-    # the T x L scores
-    qg = (q * scale).reshape(b, kv_heads, groups * t, d)
+    # heads of one kv group stacked along T (row j * T + t is head j of the group at query t);
+    # the scale is applied to q (T x D values), not to the T x L scores
+    qg = reshape(q * scale, (0, kv_heads, -1, d))  # [B, kvH, g*T, D]
     neg = torch.finfo(torch.float32).min
-    chunks = []
+    chunks, lengths = [], []
     for k, mask in zip(keys, masks, strict=True):
         if mask.ndim != 3 or mask.shape[-1] != k.shape[2]:
             raise ValueError(f"a mask must be [B|1, T|1, L] over its chunk's {k.shape[2]} keys, got {tuple(mask.shape)}")
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float().reshape(b, kv_heads, groups, t, -1)
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill(~mask, neg)
-        chunks.append(scores + bias[:, None, None])  # [B, kvH, g, T, L_i]
-    probs = torch.softmax(torch.cat(chunks, dim=-1), dim=-1).to(values[0].dtype).reshape(b, kv_heads, groups * t, -1)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [B, kvH, g*T, L_i]
+        bias = torch.where(mask, 0.0, neg)  # [B|1, T|1, L_i] in the default dtype, float32
+        if static_size(mask, 1) != 1:  # a per-query mask: one copy per group head (rows j * T + t)
+            bias = bias.repeat(1, groups, 1)
+        chunks.append(scores + bias[:, None])
+        # a chunk's length from its mask: masks are shared by all layers, so the exported graph
+        # reads their shapes once, not once per layer
+        lengths.append(mask.shape[-1])
+    probs = torch.softmax(torch.cat(chunks, dim=-1), dim=-1).to(values[0].dtype)  # [B, kvH, g*T, L]
     if len(values) == 1:
         out = torch.matmul(probs, values[0])
     else:  # sum the chunks' partial outputs in fp32, round once
         out, start = 0.0, 0
-        for v in values:
-            out = out + torch.matmul(probs[..., start : start + v.shape[2]], v).float()
-            start += v.shape[2]
+        for v, length in zip(values, lengths, strict=True):
+            out = out + torch.matmul(probs[..., start : start + length], v).float()
+            start = start + length
         out = out.to(values[0].dtype)
-    return out.reshape(b, n_heads, t, d).transpose(1, 2).reshape(b, t, n_heads * d)
+    out = reshape(out, (0, n_heads, -1, d))  # [B, nH, T, D]
+    return reshape(out.transpose(1, 2), (0, 0, n_heads * d))

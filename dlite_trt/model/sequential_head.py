@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlite_trt.model.ops import static_size
 from dlite_trt.runtime.sampling import sample_from_logits
 
 
@@ -40,7 +41,8 @@ def recurrence_step(w: HeadWeights, state: torch.Tensor, prev: torch.Tensor,
                     hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One step. state [B, r], prev [B] int64, hidden [B, H] -> (latent [B, r], state [B, r])."""
     e = F.embedding(prev, w.prev_token_embedding)  # [B, r]
-    gate_raw, cand_raw = F.linear(torch.cat([state, e], dim=-1), w.state_proj_weight, w.state_proj_bias).chunk(2, -1)
+    rank = static_size(w.prev_token_embedding, 1)  # a Python int: exports as a Split with constant sizes
+    gate_raw, cand_raw = F.linear(torch.cat([state, e], dim=-1), w.state_proj_weight, w.state_proj_bias).split(rank, -1)
     gate = torch.sigmoid(gate_raw)
     state = gate * state + (1.0 - gate) * torch.tanh(cand_raw)
     latent = F.linear(torch.cat([state, hidden], dim=-1), w.state_hidden_mlp_weight, w.state_hidden_mlp_bias)
@@ -61,8 +63,8 @@ def recurrence(
     With ``teacher_tokens`` (teacher forcing, for training) step k+1 is fed the true token
     instead of the draft's own choice; the returned tokens are still the draft's choices.
     """
-    b, num_steps, hidden_size = draft_hidden.shape
-    rank = w.state_proj_bias.shape[0] // 2
+    b, num_steps = draft_hidden.shape[:2]
+    hidden_size, rank = static_size(draft_hidden, 2), static_size(w.prev_token_embedding, 1)
     state = draft_hidden.new_zeros(b, rank)
     if seed_prev is not None:  # G > 1: one step on the token before the anchor, latent discarded
         _, state = recurrence_step(w, state, seed_prev, draft_hidden.new_zeros(b, hidden_size))

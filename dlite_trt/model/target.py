@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dlite_trt.config import TargetSpec
-from dlite_trt.model.ops import apply_rope, attention, rms_norm, rope_cos_sin
+from dlite_trt.model.ops import apply_rope, attention, reshape, rms_norm, rope_cos_sin
 
 
 class TargetOutput(NamedTuple):
@@ -71,13 +71,14 @@ class TargetAdapter(nn.Module):
         scale = spec.head_dim ** -0.5
         n_layers = spec.num_hidden_layers
         gather = output_index[:, :, None].expand(-1, -1, spec.hidden_size)  # [B, R, H]
+        split_heads = (0, 0, -1, spec.head_dim)  # [B, T, h * D] -> [B, T, h, D]
         new_k, new_v, selected = [], [], {}
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(b, t, -1, spec.head_dim)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(h).view(b, t, -1, spec.head_dim)).transpose(1, 2)
-            v = attn.v_proj(h).view(b, t, -1, spec.head_dim).transpose(1, 2)
+            q = attn.q_norm(reshape(attn.q_proj(h), split_heads)).transpose(1, 2)
+            k = attn.k_norm(reshape(attn.k_proj(h), split_heads)).transpose(1, 2)
+            v = reshape(attn.v_proj(h), split_heads).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             new_k.append(k)
             new_v.append(v)
