@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Engine benchmark (issue 3's figures), measured side by side in one run on this machine.
 
+`dlite-trt bench` is the benchmark users run (workloads, baselines, reports); this script keeps
+the engine-level figures: the engine against the PyTorch reference, and host overhead.
+
 1. tokens/s of the ONNX Runtime engine vs the PyTorch reference generator: same prompts
    (openings of held-out standard-library files), greedy, batch 1, rounds interleaved;
 2. host time outside the engine call as a share of the step time (engine timings);
@@ -28,17 +31,8 @@ from pathlib import Path
 
 import click
 
-
-def held_out_ids(tokenizer, n_tokens: int, offset: int = 0) -> list[int]:
-    """``n_tokens`` of held-out standard-library code (files concatenated), starting at file ``offset``."""
-    from dlite_trt.tiny_models import stdlib_files
-
-    ids: list[int] = []
-    for f in stdlib_files("held_out")[offset:]:
-        ids += tokenizer.encode(f.read_text(errors="replace"), add_special_tokens=False)
-        if len(ids) >= n_tokens:
-            return ids[:n_tokens]
-    raise click.ClickException(f"not enough held-out text for {n_tokens} tokens")
+from dlite_trt.bench.context_cost import step_profile, step_vs_decode
+from dlite_trt.bench.workloads import held_out_ids
 
 
 def throughput(engine, reference, prompts, new_tokens: int, rounds: int) -> dict:
@@ -64,92 +58,6 @@ def throughput(engine, reference, prompts, new_tokens: int, rounds: int) -> dict
     return {"tokens_per_second": tps, "engine_over_reference": tps["engine"] / tps["reference"],
             "host_share_of_step_time": sum(host) / sum(step), "mean_acceptance_length": statistics.mean(al),
             "prompts": len(prompts), "prompt_tokens": len(prompts[0]), "new_tokens": new_tokens, "rounds": rounds}
-
-
-def step_times(stream) -> list[float]:
-    """Wall seconds of each engine call after the prefill, timed around the stream's iterator."""
-    next(stream)  # the prefill
-    times = []
-    while True:
-        start = time.perf_counter()
-        try:
-            next(stream)
-        except StopIteration:
-            return times
-        times.append(time.perf_counter() - start)
-
-
-def step_vs_decode(engine, tokenizer, contexts: list[int], steps: int, rounds: int) -> dict:
-    """Median time of a speculative step and of a target-only decode step (host work included),
-    both through the engine, per context length. Contexts and methods are interleaved in every
-    round, so a burst of load on a shared machine does not land on one context only."""
-    from dlite_trt.runtime.session import SamplingParams
-
-    params = SamplingParams(max_new_tokens=steps)
-    prompts = {ctx: held_out_ids(tokenizer, ctx) for ctx in contexts}
-    times: dict[int, dict[str, list[float]]] = {ctx: {"spec": [], "decode": []} for ctx in contexts}
-    for round_ in range(rounds + 1):  # round 0 warms up every context's shapes
-        for ctx, prompt in prompts.items():
-            spec = step_times(engine.session([prompt]).stream(params))
-            dec = step_times(engine.session([prompt]).stream_target_only(params))
-            if round_:
-                times[ctx]["spec"] += spec
-                times[ctx]["decode"] += dec
-    rows = {}
-    for ctx in contexts:
-        spec_s, dec_s = (statistics.median(times[ctx][k]) for k in ("spec", "decode"))
-        rows[str(ctx)] = {"speculative_step_ms": spec_s * 1e3, "decode_step_ms": dec_s * 1e3, "ratio": spec_s / dec_s,
-                          "samples": len(times[ctx]["spec"])}
-    base = rows[str(contexts[0])]["ratio"]
-    for row in rows.values():
-        row["ratio_vs_first_context"] = row["ratio"] / base
-    return rows
-
-
-def draft_profile(engine_dir: Path, contexts: list[int], runs: int = 50) -> dict:
-    """Kernel time per step graph call split into target, draft and the rest, from ONNX Runtime's
-    profiler, at each context length. Profiled on the unoptimized step graph (its node names keep
-    their module scopes: ``/target/...`` for the target, the draft's modules and the inlined
-    ``LowRankRecurrence`` body for the draft); the history-free draft's share must stay flat."""
-    import json as json_
-
-    import numpy as np
-    import onnxruntime as ort
-
-    from dlite_trt.engine.manifest import load_manifest
-    from dlite_trt.export.contract import dummy_inputs
-    from dlite_trt.export.recurrence import OP_NAME
-    from dlite_trt.model.draft import DLiteDraft
-
-    manifest = load_manifest(engine_dir)
-    draft_scopes = tuple(f"/{name}" for name, _ in DLiteDraft(manifest.draft_config).named_children())
-    spec = manifest.contract["step"]
-    rows = {}
-    for ctx in contexts:
-        so = ort.SessionOptions()
-        so.enable_profiling = True
-        so.profile_file_prefix = str(Path(tempfile.gettempdir()) / "dlite_step_profile")
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        session = ort.InferenceSession(str(engine_dir / manifest.graphs["step"]["onnx"]), so,
-                                       providers=["CPUExecutionProvider"])
-        feeds = dummy_inputs(spec, {"batch": 1, "cache": ctx + 128}, vocab_size=manifest.target_spec.vocab_size,
-                             rng=np.random.default_rng(0))
-        feeds["past_len"][:] = ctx
-        for _ in range(runs + 5):
-            session.run(None, feeds)
-        profile = Path(session.end_profiling())
-        events = [e for e in json_.loads(profile.read_text()) if e.get("cat") == "Node"
-                  and e["name"].endswith("_kernel_time")]
-        profile.unlink()
-        parts = {"target": 0.0, "draft": 0.0, "other": 0.0}
-        for e in events:
-            name = e["name"]
-            part = ("target" if name.startswith("/target/") else
-                    "draft" if name.startswith(draft_scopes) or name.startswith(f"_inlfunc_{OP_NAME}") else "other")
-            parts[part] += e["dur"]
-        calls = runs + 5
-        rows[str(ctx)] = {f"{k}_ms": v / calls / 1e3 for k, v in parts.items()}
-    return rows
 
 
 def qwen3_06b(work: Path, steps: int) -> dict:
@@ -224,8 +132,9 @@ def main(target: Path | None, draft: Path | None, engine: Path | None, out: Path
         report = {"machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(),
                               "onnxruntime_threads": threads or "default"}, "versions": package_versions()}
         report["throughput"] = throughput(loaded.generator, pair.generator, prompt_ids, new_tokens, rounds)
-        report["step_vs_decode"] = step_vs_decode(loaded.generator, tok, ctx, steps=32, rounds=rounds)
-        report["step_profile"] = draft_profile(engine, ctx)
+        report["step_vs_decode"] = step_vs_decode(loaded.generator, {c: held_out_ids(tok, c) for c in ctx},
+                                                  steps=32, rounds=rounds)
+        report["step_profile"] = step_profile(engine, ctx)
         if big:
             report["qwen3_0.6b_random"] = qwen3_06b(Path(tmp), steps=8)
     out.write_text(json.dumps(report, indent=2) + "\n")
