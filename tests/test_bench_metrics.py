@@ -56,8 +56,9 @@ def test_target_only_and_finished_rows():
 def test_percentiles_over_requests():
     records = []
     for ttft in (1.0, 2.0, 3.0, 5.0):
-        records.append(measure(iter([StepEvent(((1,),), None), StepEvent(((2,),), None)]),
-                               RequestRecord("w", "ar", "t", 0, 1, 4), clock=_clock([0.0, ttft, ttft + 1.0, ttft + 1.0])))
+        events = iter([StepEvent(((1,),), None), StepEvent(((2,),), None)])
+        records.append(measure(events, RequestRecord("w", "ar", "t", 0, 1, 4),
+                               clock=_clock([0.0, ttft, ttft + 1.0, ttft + 1.0])))
     s = summarize(records, max_step_tokens=1)
     # linear interpolation between order statistics: rank p/100 * (n - 1)
     assert s["ttft_s"] == {"p50": 2.5, "p90": 3.0 + 0.7 * 2.0, "p99": 3.0 + 0.97 * 2.0}

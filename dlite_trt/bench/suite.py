@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import platform
 import resource
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from dlite_trt.engine.build import package_versions
 from dlite_trt.errors import DLiteError
 from dlite_trt.runtime.prompt_lookup import PromptLookupConfig
 
+SWEEP_PROMPT_TOKENS = 1024
 Phase = Callable[[str, int], Callable[[], None]]  # (description, total) -> advance
 
 
@@ -42,7 +42,7 @@ class BenchSettings:
     sweep_tokens: int = 128
     sweep_rounds: int = 2
     contexts: tuple[int, ...] = (256, 2048, 8192, 16384)
-    context_steps: int = 32
+    context_steps: int = 64
     context_rounds: int = 3
     profile_runs: int = 60
     seed: int = 0
@@ -53,7 +53,7 @@ class BenchSettings:
     def quick_run(cls, **overrides: Any) -> BenchSettings:
         """About a minute on a laptop CPU with the bundled models: fewer, shorter tasks and samples."""
         return replace(cls(batch_sizes=(1, 4), sweep_tokens=32, sweep_rounds=1, contexts=(256, 16384),
-                           context_steps=16, context_rounds=1, profile_runs=30, quick=True), **overrides)
+                           context_steps=32, context_rounds=1, profile_runs=30, quick=True), **overrides)
 
 
 def default_workloads(names: Sequence[str], tokenizer: Any, *, seed: int, quick: bool) -> dict[str, list[Task]]:
@@ -74,7 +74,7 @@ def default_workloads(names: Sequence[str], tokenizer: Any, *, seed: int, quick:
 
 
 def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, threads: int | None = None,
-              phase: Phase | None = None) -> tuple[dict, dict[str, list[Task]], list]:
+              phase: Phase | None = None, command: str = "") -> tuple[dict, dict[str, list[Task]], list]:
     """Run everything on an opened engine (``engine.load.LoadedEngine``); returns the report, the
     workloads it ran and the raw request records."""
     phase = phase or (lambda _desc, _total: (lambda: None))
@@ -92,7 +92,7 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
     spec = manifest.target_spec
     kv_bytes_per_token = (2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim
                           * _dtype_bytes(manifest.dtype))
-    report: dict[str, Any] = {"schema": SCHEMA, "command": " ".join(["dlite-trt", *sys.argv[1:]]),
+    report: dict[str, Any] = {"schema": SCHEMA, "command": command,
                               "machine": machine(threads), "versions": {"engine_built_with": manifest.versions,
                                                                         "running": package_versions()},
                               "engine": {"backend": manifest.backend, "dtype": manifest.dtype,
@@ -110,8 +110,9 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
 
     fits = [b for b in settings.batch_sizes if b <= manifest.limits.max_batch]
     sweep_methods = [m for m in methods if m.name != "reference"]
-    if fits:
-        prompts = [p.turns[0] for p in prepared.get("chat", next(iter(prepared.values())))]
+    if fits:  # the first turns of the workload with the shortest prompts, at most SWEEP_PROMPT_TOKENS each
+        tasks = min(prepared.values(), key=lambda ts: sum(len(p.turns[0]) for p in ts) / len(ts))
+        prompts = [p.turns[0][-SWEEP_PROMPT_TOKENS:] for p in tasks]
         advance = phase("batch sweep", len(fits) * settings.sweep_rounds * len(sweep_methods))
         report["batch_sweep"] = batch_sweep(prompts, sweep_methods, fits, settings.sweep_tokens,
                                             settings.sweep_rounds, advance)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 import click
@@ -115,7 +117,8 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
             task = progress.add_task(description, total=total)
             return lambda: progress.advance(task)
 
-        report, ran, records = run_bench(loaded, settings, reference=reference, threads=threads, phase=phase)
+        report, ran, records = run_bench(loaded, settings, reference=reference, threads=threads, phase=phase,
+                                         command=shlex.join(["dlite-trt", *sys.argv[1:]]))
     report["engine"]["dir"] = str(engine)
     out.mkdir(parents=True, exist_ok=True)
     for name, tasks in ran.items():
