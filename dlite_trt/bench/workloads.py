@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dlite_trt.errors import DLiteError
+from dlite_trt.jsonl import json_lines
 
 WORKLOAD_NAMES = ("agentic", "long-context", "chat")
 LONG_CONTEXT_TOKENS = (2048, 4096, 8192, 16384)
@@ -79,14 +80,7 @@ def read_jsonl(path: Path) -> list[Task]:
     if not path.is_file():
         raise DLiteError(f"no dataset file at {path}; pass a JSONL file (one task per line).")
     tasks, seen = [], set()
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DLiteError(f"{where} is not valid JSON ({exc.msg}); each line must be one JSON object.") from exc
+    for where, obj in json_lines(path):
         if not isinstance(obj, dict):
             raise DLiteError(f"{where} is a JSON {type(obj).__name__}, expected an object with task_id, prompt or "
                              "input_ids, and output_tokens.")
@@ -94,7 +88,7 @@ def read_jsonl(path: Path) -> list[Task]:
         if unknown:
             raise DLiteError(f"{where} has unknown fields {sorted(unknown)}; allowed: task_id, prompt, input_ids, "
                              "output_tokens, turns.")
-        task_id = str(obj.get("task_id", f"{path.stem}-{number}"))
+        task_id = str(obj.get("task_id", f"{path.stem}-{where.rsplit(':', 1)[1]}"))
         if task_id in seen:
             raise DLiteError(f"{where}: task_id {task_id!r} appears twice; task ids must be unique.")
         seen.add(task_id)

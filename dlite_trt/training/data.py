@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dlite_trt.errors import ConfigError
+from dlite_trt.jsonl import json_lines
 from dlite_trt.runtime.session import GeneratorBase, SamplingParams
 
 
@@ -67,14 +68,7 @@ def read_prompts(source: Path, tokenizer: Any | None, *, max_prompt_tokens: int,
         files = sorted(p for p in source.rglob("*") if p.suffix in (".py", ".txt", ".md") and p.is_file())
         prompts = prompts_from_files(files, tokenizer, max_prompt_tokens=max_prompt_tokens, seed=seed)
     elif source.is_file():
-        for number, line in enumerate(source.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{source}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where} is not valid JSON ({exc})") from exc
+        for where, record in json_lines(source):
             prompts.append(_prompt_from_record(record, tokenizer, where)[-max_prompt_tokens:])
     else:
         raise ConfigError(f"prompt source {source} does not exist; pass a JSONL file or a directory of text files")
