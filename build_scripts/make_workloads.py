@@ -27,7 +27,8 @@ def main(out: Path, seed: int, tokenizer_dir: Path | None, quick: bool) -> None:
     from transformers import AutoTokenizer
 
     from dlite_trt.bench.suite import default_workloads
-    from dlite_trt.bench.workloads import WORKLOAD_NAMES, write_jsonl
+    from dlite_trt.bench.names import WORKLOAD_NAMES
+    from dlite_trt.bench.workloads import write_jsonl
     from dlite_trt.bundled import bundled_pair
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or bundled_pair()[0])

@@ -125,3 +125,30 @@ def test_malformed_dataset_and_options(engine, tmp_path):
     assert result.exit_code == 2 and "--batch-sizes" in result.output
     result = _bench("--engine", str(engine), "--target", "somewhere")
     assert result.exit_code == 2 and "--draft" in result.output
+
+
+@pytest.mark.parametrize("methods", ["ar,ngram", "reference"])
+def test_any_subset_of_methods(engine, tiny_pair, tmp_path, methods):
+    """Without DLite or without target-only decoding the report still completes, with what applies."""
+    out = tmp_path / "o"
+    result = _bench("--engine", str(engine), "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]),
+                    "--out", str(out), "--quick", "--workloads", "chat", "--methods", methods,
+                    "--batch-sizes", "1", "--contexts", "64")
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((out / "bench.json").read_text())
+    jsonschema.validate(report, json.loads(resources.files("dlite_trt.bench").joinpath("report.schema.json")
+                                           .read_text()))
+    assert list(report["workloads"]["chat"]["methods"]) == methods.split(",")
+    assert (out / "speedup.png").is_file()
+    if methods == "reference":  # nothing runs on the engine: no sweep; nothing to compare tokens with
+        assert "batch_sweep" not in report and report["batch_sweep_skipped"] == [1]
+        assert report["workloads"]["chat"]["methods"]["reference"]["lossless"]["mismatches"] is None
+
+
+def test_dataset_name_clash_and_ngram_sizes(engine, tmp_path):
+    dataset = tmp_path / "chat.jsonl"
+    dataset.write_text('{"task_id": "x", "input_ids": [1, 2, 3], "output_tokens": 4}\n')
+    result = _bench("--engine", str(engine), "--workloads", "chat", "--dataset", str(dataset), "--out", str(tmp_path))
+    assert result.exit_code != 0 and "two workloads are named 'chat'" in result.output
+    result = _bench("--engine", str(engine), "--ngram-min", "4", "--ngram-max", "3")
+    assert result.exit_code == 2 and "--ngram-min 4 is above --ngram-max 3" in result.output

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dlite_trt.bench.metrics import RequestRecord, measure, summarize
+from dlite_trt.bench.metrics import RequestRecord, add_speedups, measure, summarize
 from dlite_trt.bench.report import goals
+from dlite_trt.bench.run import _mismatches
 from dlite_trt.runtime.session import StepEvent
 from dlite_trt.runtime.stats import StepRecord
 
@@ -80,3 +81,33 @@ def test_goals():
     assert g["a"]["ahead_of_ngram"] and g["a"]["dlite_over_ngram"] == 1.25
     assert not g["b"]["speedup_at_least_0.8_al"] and not g["b"]["ahead_of_ngram"]
     assert g["draft_time_flat"] == {"contexts": [256, 16384], "ratio": 1.125, "within_10_percent": False}
+
+
+def test_speedups_and_host_draft_share():
+    rows = {"ar": {"tokens_per_second": 100.0, "decode_tokens_per_second": 50.0},
+            "ngram": {"tokens_per_second": 150.0, "decode_tokens_per_second": 100.0}}
+    add_speedups(rows)
+    assert rows["ngram"]["speedup_over_ar"] == 1.5 and rows["ngram"]["decode_speedup_over_ar"] == 2.0
+    assert rows["ar"]["speedup_over_ar"] == 1.0
+
+    record = measure(_scripted_speculative(), RequestRecord("w", "ngram", "t", 0, 1, 10),
+                     clock=_clock([0.0, 1.0, 1.5, 1.75, 2.25, 2.5]))
+    record.stage_s = {"draft": 0.375, "draft_context": 0.25, "verify": 1.0}  # draft_context is prefill work
+    s = summarize([record], max_step_tokens=4)
+    assert s["host_draft_share"] == 0.375 / 1.5  # drafting during the 1.5 s after the first token
+    assert s["decode_tokens_per_second"] == 8 / 1.5
+    assert s["draft_context_s"] == 0.25
+
+
+def test_mismatches_are_counted():
+    def record(task, turn, ids):
+        r = RequestRecord("w", "x", task, turn, 1, 3)
+        r.output_ids = ids
+        return r
+
+    baseline = [record("a", 0, [[1, 2]]), record("a", 1, [[3]]), record("b", 0, [[4, 5]])]
+    same = [record("a", 0, [[1, 2]]), record("a", 1, [[3]]), record("b", 0, [[4, 5]])]
+    assert _mismatches(same, baseline) == {"checked": 3, "mismatches": 0, "first": []}
+    off = [record("a", 0, [[1, 2]]), record("a", 1, [[9]]), record("b", 0, [[4, 5]])]
+    assert _mismatches(off, baseline) == {"checked": 3, "mismatches": 1, "first": ["a/turn 1"]}
+    assert _mismatches(off, None)["mismatches"] is None

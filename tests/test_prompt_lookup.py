@@ -11,7 +11,7 @@ import torch
 from helpers import bigram_draft, draft_config, generator, hf_greedy, near_bigram_target, small_engine
 
 from dlite_trt.errors import DLiteError
-from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig, PromptLookupDrafter, stream_prompt_lookup
+from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig, PromptLookupDrafter
 from dlite_trt.runtime.session import SamplingParams
 
 NEW = 40
@@ -75,7 +75,7 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
 
 def _lookup(session, params, cfg=None):
     drafter = PromptLookupDrafter(session.batch_size, cfg or PromptLookupConfig(min_ngram=1))
-    return session._collect(lambda p, timer: stream_prompt_lookup(session, p, drafter, timer), params)
+    return session._collect(lambda p, timer: session.stream_drafted(p, drafter, timer), params)
 
 
 @pytest.mark.parametrize("backend", ["engine", "reference"])
@@ -99,7 +99,7 @@ def test_multiturn_and_stop_tokens(case):
             session.extend(turn)
         context = [list(t) for t in session.tokens]
         before = drafter.context_tokens
-        result = session._collect(lambda p, timer: stream_prompt_lookup(session, p, drafter, timer),
+        result = session._collect(lambda p, timer: session.stream_drafted(p, drafter, timer),
                                   SamplingParams(max_new_tokens=15))
         assert result.output_ids == [hf_greedy(hf, c, 15) for c in context]
         if turn is not None:  # the drafter indexed the appended turn (and the previous answer's tail)
@@ -119,3 +119,42 @@ def test_sampling_is_seeded(case):
     assert first == _lookup(engine.session(prompts), params).output_ids
     assert first != _lookup(engine.session(prompts), SamplingParams(max_new_tokens=25, temperature=0.9,
                                                                     seed=6)).output_ids
+
+
+@torch.no_grad()
+def _exact_marginals(hf, prompt: list[int], temperature: float, vocab: int) -> list[torch.Tensor]:
+    """The target's own distribution of the 2nd and 3rd sampled tokens (summed over the earlier ones)."""
+    def probs(seqs: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(hf(seqs).logits[:, -1].double() / temperature, dim=-1)
+
+    base = torch.tensor([prompt])
+    p1 = probs(base)[0]  # [V]
+    ones = base.expand(vocab, -1)
+    p2 = probs(torch.cat([ones, torch.arange(vocab)[:, None]], dim=1))  # [V(t1), V(t2)]
+    pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # (t1, t2) row-major
+    p3 = torch.cat([probs(torch.cat([base.expand(len(chunk), -1), chunk], dim=1))
+                    for chunk in pairs.split(1024)]).view(vocab, vocab, vocab)
+    joint12 = p1[:, None] * p2
+    return [joint12.sum(0), (joint12[:, :, None] * p3).sum((0, 1))]
+
+
+def test_sampling_follows_the_targets_distribution(case):
+    """Rejection against a one-hot draft: the 2nd and 3rd tokens' frequencies over 3000 seeded rows
+    match the target's exact marginals, within what sampling noise alone gives (its 99th
+    percentile over 200 simulated draws of 3000 from the exact distribution, plus 20%)."""
+    hf, reference, _ = case
+    temperature, vocab, rows = 0.25, 64, 3000
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = perm + hf_greedy(hf, perm, 30)  # the greedy chain gives lookup matches the target often accepts
+    result = _lookup(reference.session([prompt] * rows),
+                     SamplingParams(max_new_tokens=3, temperature=temperature, seed=0))
+    accepted = [n for s in result.steps for n in s.accepted if n is not None]
+    assert sum(n > 0 for n in accepted) > rows // 5 and accepted.count(0) > rows // 5  # both paths ran
+    g = torch.Generator().manual_seed(1)
+    for position, exact in zip((1, 2), _exact_marginals(hf, prompt, temperature, vocab), strict=True):
+        def tv(samples: torch.Tensor, exact=exact) -> float:
+            return 0.5 * (torch.bincount(samples, minlength=vocab).double() / rows - exact).abs().sum().item()
+
+        noise = sorted(tv(torch.multinomial(exact, rows, replacement=True, generator=g)) for _ in range(200))
+        got = tv(torch.tensor([out[position] for out in result.output_ids]))
+        assert got < 1.2 * noise[197], (position, got, noise[197])

@@ -2,6 +2,8 @@
 
 - ``step_vs_decode``: wall time (host work included) of one speculative step and of one
   target-only decode step, per context length, methods and contexts interleaved each round;
+- ``call_times``: wall time of single engine calls: the step graph, the verify pass alone (a
+  decode call of K+1 tokens) and a one-token decode; step minus verify is the draft's wall time;
 - ``step_profile``: the step graph's kernel time per call split into the target (verify) and
   the draft, from ONNX Runtime's profiler. It profiles the unoptimized step graph, whose node
   names keep their module scopes (``/target/...`` for the target; the draft's modules and the
@@ -111,4 +113,54 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, runs: int = 50, t
         rows[str(ctx)]["runs"] = len(timed)
         if progress is not None:
             progress()
+    return rows
+
+
+def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progress: Any = None) -> dict[str, dict]:
+    """Median wall ms of single engine calls per context: the ``step`` graph (verify + draft), a
+    ``decode`` call of K+1 tokens (the same verify pass alone: what n-gram lookup runs per step)
+    and of 1 token (a target-only decode step). Calls run in bursts of consecutive calls of one
+    graph at one context (as in decoding: a shape change between calls costs ONNX Runtime extra
+    work), bursts interleaved; inputs are random (the cache's contents do not change the work),
+    nothing is stored."""
+    import numpy as np
+
+    from dlite_trt.export.contract import dummy_inputs
+
+    manifest = engine.manifest
+    block = manifest.draft_config.block_size
+    rng = np.random.default_rng(0)
+    calls = {}
+    for ctx in contexts:
+        cache = engine.runner.new_cache(1)
+        cache.ensure_capacity(ctx + 2 * block)
+        sizes = {"batch": 1, "cache": cache.capacity}
+        feeds = {"step": dummy_inputs(manifest.contract["step"], sizes, vocab_size=manifest.target_spec.vocab_size,
+                                      rng=rng)}
+        for name, width in (("verify", block), ("decode", 1)):
+            feeds[name] = dummy_inputs(manifest.contract["decode"], sizes | {"chunk": width, "outputs": width},
+                                       vocab_size=manifest.target_spec.vocab_size, rng=rng)
+            feeds[name]["output_index"][:] = np.arange(width)
+            feeds[name]["temperature"][:] = 0.0
+        for f in feeds.values():
+            f["past_len"][:] = ctx
+        calls[ctx] = (cache, feeds)
+    times: dict[int, dict[str, list[float]]] = {ctx: {k: [] for k in ("step", "verify", "decode")} for ctx in contexts}
+    burst = 10  # consecutive calls of one graph at one context, as in decoding; the first is not timed
+    for _ in range(max(1, runs // burst)):  # bursts interleaved: load bursts hit every context and graph alike
+        for ctx, (cache, feeds) in calls.items():
+            for name, graph in (("step", "step"), ("verify", "decode"), ("decode", "decode")):
+                for i in range(burst + 1):
+                    start = time.perf_counter()
+                    engine.runner.infer(graph, feeds[name], cache)
+                    if i:
+                        times[ctx][name].append(time.perf_counter() - start)
+        if progress is not None:
+            progress()
+    rows = {}
+    for ctx in contexts:
+        step, verify, decode = (statistics.median(times[ctx][k]) * 1e3 for k in ("step", "verify", "decode"))
+        rows[str(ctx)] = {"step_call_ms": step, "verify_call_ms": verify, "decode_call_ms": decode,
+                          "draft_ms": max(step - verify, 0.0), "verify_over_decode": verify / decode,
+                          "step_over_decode": step / decode, "runs": len(times[ctx]["step"])}
     return rows

@@ -11,12 +11,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dlite_trt.runtime.prompt_lookup import PromptLookupConfig, PromptLookupDrafter, stream_prompt_lookup
+from dlite_trt.bench.names import METHOD_NAMES, METHOD_TITLES, check_names
+from dlite_trt.runtime.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
 from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent
 from dlite_trt.runtime.stats import StageTimer
-
-METHOD_NAMES = ("ar", "dlite", "ngram", "reference")
-METHOD_TITLES = {"ar": "target-only", "dlite": "DLite", "ngram": "n-gram lookup", "reference": "DLite (PyTorch)"}
 
 
 class Run:
@@ -47,15 +45,22 @@ class _TargetOnly(Run):
 
 
 class _DLite(Run):
-    """History-free: between steps the draft keeps only the next block and the anchor group's prefix
-    (the engine's step outputs fed back); an appended turn costs it nothing."""
+    """History-free: between steps the engine's draft keeps only the next block and the anchor
+    group's prefix (step outputs fed back; greedy); the PyTorch reference also keeps the pivot
+    states it drafts from. An appended turn costs it nothing."""
 
     def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
         return self.session.stream(params, timer)
 
     def draft_state_bytes(self) -> int:
-        cfg = getattr(self.session.gen, "cfg", None) or self.session.gen.draft.cfg
-        return 8 * self.session.batch_size * (cfg.block_size + cfg.anchor_group_size - 1)  # int64 ids
+        draft = getattr(self.session.gen, "draft", None)  # the reference generator's model
+        cfg = draft.cfg if draft is not None else self.session.gen.cfg
+        ids = 8 * (cfg.block_size + cfg.anchor_group_size - 1)  # int64 ids per sequence
+        pivots = 0
+        if draft is not None:  # chs [S, H] per sequence, in the model's dtype
+            param = next(draft.parameters())
+            pivots = len(cfg.target_layer_ids) * cfg.hidden_size * param.element_size()
+        return self.session.batch_size * (ids + pivots)
 
 
 class _Ngram(Run):
@@ -64,7 +69,7 @@ class _Ngram(Run):
         self.drafter = PromptLookupDrafter(session.batch_size, cfg)
 
     def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
-        return stream_prompt_lookup(self.session, params, self.drafter, timer)
+        return self.session.stream_drafted(params, self.drafter, timer)
 
     @property
     def draft_context_tokens(self) -> int:
@@ -95,7 +100,5 @@ class Method:
 
 def make_methods(names: Sequence[str], engine: Any, reference: Any | None = None,
                  ngram: PromptLookupConfig | None = None) -> list[Method]:
-    unknown = [n for n in names if n not in METHOD_NAMES]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHOD_NAMES)}")
+    check_names(names, METHOD_NAMES, "methods")
     return [Method(n, reference if n == "reference" else engine, ngram) for n in names]

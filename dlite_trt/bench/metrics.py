@@ -81,6 +81,17 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
 
 
+def add_speedups(rows: dict[str, dict], baseline: str = "ar") -> None:
+    """Each row's tokens/s (and decode-phase tokens/s, where present) over the baseline row's."""
+    if baseline not in rows:
+        return
+    base = rows[baseline]
+    for row in rows.values():
+        row["speedup_over_ar"] = row["tokens_per_second"] / base["tokens_per_second"]
+        if row.get("decode_tokens_per_second") and base.get("decode_tokens_per_second"):
+            row["decode_speedup_over_ar"] = row["decode_tokens_per_second"] / base["decode_tokens_per_second"]
+
+
 def summarize(records: Sequence[RequestRecord], max_step_tokens: int) -> dict:
     """Every figure of one method on one workload, from its requests."""
     tokens = sum(r.output_tokens for r in records)
@@ -88,13 +99,15 @@ def summarize(records: Sequence[RequestRecord], max_step_tokens: int) -> dict:
     steps = [n for r in records for n in r.step_tokens]
     proposed = sum(r.proposed for r in records)
     histogram = Counter(steps)
-    draft_s = sum(r.stage_s.get("draft", 0.0) + r.stage_s.get("draft_context", 0.0) for r in records)
+    draft_s = sum(r.stage_s.get("draft", 0.0) for r in records)  # drafting during decoding steps
     decode_s = sum(r.total_s - r.ttft_s for r in records)
+    decode_tokens = sum(r.output_tokens - r.batch for r in records)  # all but each sequence's first
     return {
         "requests": len(records),
         "output_tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds if seconds else None,
+        "decode_tokens_per_second": decode_tokens / decode_s if decode_s else None,
         "mean_acceptance_length": sum(steps) / len(steps) if steps else None,
         "acceptance_histogram": {str(n): histogram.get(n, 0) for n in range(1, max_step_tokens + 1)},
         "steps": len(steps),

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dlite_trt.bench.methods import METHOD_TITLES
+from dlite_trt.bench.names import METHOD_TITLES
 
 SCHEMA = "dlite-trt-bench/1"
 
@@ -24,6 +25,9 @@ def goals(report: dict) -> dict:
         row = {"speedup_over_ar": d["speedup_over_ar"], "mean_acceptance_length": d["mean_acceptance_length"],
                "speedup_over_al": d["speedup_over_ar"] / d["mean_acceptance_length"]}
         row["speedup_at_least_0.8_al"] = row["speedup_over_al"] >= 0.8
+        if d.get("decode_speedup_over_ar"):  # prefill excluded: what the drafting itself gains
+            row["decode_speedup_over_ar"] = d["decode_speedup_over_ar"]
+            row["decode_speedup_over_al"] = d["decode_speedup_over_ar"] / d["mean_acceptance_length"]
         if "ngram" in m:
             row["dlite_over_ngram"] = d["tokens_per_second"] / m["ngram"]["tokens_per_second"]
             row["ahead_of_ngram"] = row["dlite_over_ngram"] > 1.0
@@ -42,6 +46,13 @@ def write_json(report: dict, path: Path) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def write_records(records: list, path: Path) -> None:
+    """One JSON line per request (``metrics.RequestRecord``), without the generated ids."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({k: v for k, v in asdict(r).items() if k != "output_ids"}) + "\n"
+                            for r in records))
+
+
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
@@ -54,6 +65,7 @@ def _lossless(s: dict) -> str:
 _ROWS = (  # (row label, cell from a method's summary)
     ("output tokens/s", lambda s: _fmt(s["tokens_per_second"], ".0f")),
     ("speedup over target-only", lambda s: _fmt(s.get("speedup_over_ar"), ".2f")),
+    ("decode-phase speedup (no prefill)", lambda s: _fmt(s.get("decode_speedup_over_ar"), ".2f")),
     ("mean acceptance length", lambda s: _fmt(s["mean_acceptance_length"], ".2f")),
     ("draft acceptance rate", lambda s: _fmt(s["acceptance_rate"], ".0%")),
     ("TTFT p50 ms", lambda s: _fmt(s["ttft_s"]["p50"], ".1f", 1e3)),
@@ -92,17 +104,26 @@ def print_tables(report: dict, console: Any) -> None:
                                                      if "speedup_over_ar" in sweep[b][method] else "")
                                                   for b in sweep))
         console.print(table)
-    cost = report.get("context_cost")
-    if cost:
-        table = Table(title="step cost vs context (the draft is history-free: its time must stay flat)",
+    if report["batch_sweep_skipped"]:
+        console.print(f"batch sizes not run: {report['batch_sweep_skipped']} (above the engine's --max-batch "
+                      f"{report['engine']['limits']['max_batch']}, or no engine method to sweep)")
+    cost = report["context_cost"]
+    if cost.get("step_vs_decode"):
+        table = Table(title="step cost vs context, ms (the draft is history-free: its time must stay flat)",
                       title_justify="left")
-        for col in ("context", "spec. step ms", "decode step ms", "ratio", "draft kernels ms", "target kernels ms"):
+        for col in ("context", "DLite step", "decode step", "step call", "verify call", "decode call",
+                    "draft kernels", "verify kernels"):
             table.add_column(col, justify="right")
         for ctx, row in cost["step_vs_decode"].items():
-            prof = cost["step_profile"].get(ctx, {})
-            table.add_row(ctx, f"{row['speculative_step_ms']:.3f}", f"{row['decode_step_ms']:.3f}",
-                          f"{row['ratio']:.2f}", _fmt(prof.get("draft_ms"), ".3f"), _fmt(prof.get("target_ms"), ".3f"))
+            call, prof = cost["call_times"][ctx], cost["step_profile"][ctx]
+            table.add_row(ctx, *(f"{v:.2f}" for v in (
+                row["speculative_step_ms"], row["decode_step_ms"], call["step_call_ms"], call["verify_call_ms"],
+                call["decode_call_ms"], prof["draft_ms"], prof["target_ms"])))
         console.print(table)
+        console.print("DLite/decode step: whole steps with host work; calls: one engine call each (verify = a "
+                      "decode call of K+1 tokens); kernels: ONNX Runtime's profiler on the unoptimized step graph.")
+    if cost["skipped"]:
+        console.print(f"contexts not measured: {cost['skipped']} (past the engine's --max-seq-len)")
     for name, g in report["goals"].items():
         if name == "draft_time_flat":
             console.print(f"draft time per step, {g['contexts'][1]} vs {g['contexts'][0]} tokens of context: "
@@ -110,6 +131,8 @@ def print_tables(report: dict, console: Any) -> None:
             continue
         line = (f"{name}: DLite {g['speedup_over_ar']:.2f}x over target-only = {g['speedup_over_al']:.2f} x AL "
                 f"{g['mean_acceptance_length']:.2f} ({'>=' if g['speedup_at_least_0.8_al'] else '<'} 0.8)")
+        if "decode_speedup_over_al" in g:
+            line += f" (decode phase: {g['decode_speedup_over_al']:.2f} x AL)"
         if "dlite_over_ngram" in g:
             line += f"; {g['dlite_over_ngram']:.2f}x n-gram lookup's tokens/s"
         console.print(line)
@@ -150,16 +173,18 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         ax.set_title(name)
         ax.set_xlabel("tokens per step")
     axes[0][0].set_ylabel("share of steps")
-    axes[0][0].legend()
+    if drafted:
+        axes[0][0].legend()
     paths.append(_save(fig, out_dir / "acceptance.png"))
 
-    cost = report.get("context_cost")
-    if cost:
+    cost = report["context_cost"]
+    if cost.get("step_vs_decode"):
         fig, ax = plt.subplots(figsize=(7, 4))
         ctx = sorted(cost["step_vs_decode"], key=int)
         x = [int(c) for c in ctx]
         ax.plot(x, [cost["step_vs_decode"][c]["speculative_step_ms"] for c in ctx], "o-", label="DLite step (wall)")
         ax.plot(x, [cost["step_vs_decode"][c]["decode_step_ms"] for c in ctx], "s-", label="decode step (wall)")
+        ax.plot(x, [cost["call_times"][c]["verify_call_ms"] for c in ctx], "d:", label="verify-only call (wall)")
         if cost.get("step_profile"):
             ax.plot(x, [cost["step_profile"][c]["draft_ms"] for c in ctx], "^--", label="draft kernels (profiler)")
             ax.plot(x, [cost["step_profile"][c]["target_ms"] for c in ctx], "v--", label="verify kernels (profiler)")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlite_trt.bench.methods import Method
-from dlite_trt.bench.metrics import RequestRecord, measure, summarize
+from dlite_trt.bench.metrics import RequestRecord, add_speedups, measure, summarize
 from dlite_trt.bench.workloads import Task
 from dlite_trt.errors import DLiteError
 from dlite_trt.runtime.session import SamplingParams
@@ -82,10 +82,7 @@ def run_workload(name: str, tasks: Sequence[PreparedTask], methods: Sequence[Met
         summary["lossless"] = _mismatches(records[method.name], baseline)
         summary["target_kv_bytes_max"] = kv_bytes_per_token * max(p.longest for p in tasks)
         out[method.name] = summary
-    if baseline:
-        ar_tps = out["ar"]["tokens_per_second"]
-        for summary in out.values():
-            summary["speedup_over_ar"] = summary["tokens_per_second"] / ar_tps
+    add_speedups(out)
     return out, [r for rs in records.values() for r in rs]
 
 
@@ -104,6 +101,7 @@ def batch_sweep(prompts: Sequence[Sequence[int]], methods: Sequence[Method], bat
     out: dict[str, dict] = {}
     for b in batch_sizes:
         batch = [list(prompts[i % len(prompts)]) for i in range(b)]
+        warm_up(methods, batch[0], batch=b)  # this batch size's shapes, untimed
         totals = {m.name: [0, 0.0] for m in methods}
         for r in range(rounds):
             for method in methods[r % len(methods):] + methods[: r % len(methods)]:
@@ -113,17 +111,14 @@ def batch_sweep(prompts: Sequence[Sequence[int]], methods: Sequence[Method], bat
                 totals[method.name][1] += record.total_s
                 advance()
         out[str(b)] = {name: {"tokens_per_second": n / s} for name, (n, s) in totals.items()}
-        if "ar" in out[str(b)]:
-            base = out[str(b)]["ar"]["tokens_per_second"]
-            for row in out[str(b)].values():
-                row["speedup_over_ar"] = row["tokens_per_second"] / base
+        add_speedups(out[str(b)])
     return out
 
 
-def warm_up(methods: Sequence[Method], prompt: Sequence[int], new_tokens: int = 16) -> None:
-    """One short generation per method: graphs load and first-run allocations happen untimed."""
+def warm_up(methods: Sequence[Method], prompt: Sequence[int], new_tokens: int = 16, batch: int = 1) -> None:
+    """One short generation per method: graphs load, and first runs at these shapes allocate, untimed."""
     for method in methods:
-        run = method.start([list(prompt)])
+        run = method.start([list(prompt)] * batch)
         for _ in run.stream(SamplingParams(max_new_tokens=new_tokens), StageTimer()):
             pass
 

@@ -12,11 +12,17 @@ from typing import Any
 
 from dlite_trt.bench import context_cost
 from dlite_trt.bench.methods import make_methods
+from dlite_trt.bench.names import WORKLOAD_NAMES, check_names
 from dlite_trt.bench.report import SCHEMA, goals
-from dlite_trt.bench.run import batch_sweep, nearest_context, prepare, run_workload, warm_up
+from dlite_trt.bench.run import (
+    batch_sweep,
+    nearest_context,
+    prepare,
+    run_workload,
+    warm_up,
+)
 from dlite_trt.bench.workloads import (
     LONG_CONTEXT_TOKENS,
-    WORKLOAD_NAMES,
     Task,
     agentic,
     chat,
@@ -45,6 +51,7 @@ class BenchSettings:
     context_steps: int = 64
     context_rounds: int = 3
     profile_runs: int = 60
+    call_runs: int = 100
     seed: int = 0
     ngram: PromptLookupConfig = field(default_factory=PromptLookupConfig)
     quick: bool = False
@@ -53,7 +60,7 @@ class BenchSettings:
     def quick_run(cls, **overrides: Any) -> BenchSettings:
         """About a minute on a laptop CPU with the bundled models: fewer, shorter tasks and samples."""
         return replace(cls(batch_sizes=(1, 4), sweep_tokens=32, sweep_rounds=1, contexts=(256, 16384),
-                           context_steps=32, context_rounds=1, profile_runs=30, quick=True), **overrides)
+                           context_steps=32, context_rounds=1, profile_runs=30, call_runs=40, quick=True), **overrides)
 
 
 def default_workloads(names: Sequence[str], tokenizer: Any, *, seed: int, quick: bool) -> dict[str, list[Task]]:
@@ -66,10 +73,7 @@ def default_workloads(names: Sequence[str], tokenizer: Any, *, seed: int, quick:
         "chat": lambda: chat(files, seed=seed, count=2 if quick else 6,
                              answer_tokens=(64, 96) if quick else (192, 320)),
     }
-    unknown = [n for n in names if n not in makers]
-    if unknown:
-        raise DLiteError(f"unknown workloads {unknown}; choose from {', '.join(WORKLOAD_NAMES)} "
-                         "or pass --dataset FILE.")
+    check_names(names, WORKLOAD_NAMES, "workloads")
     return {name: makers[name]() for name in names}
 
 
@@ -82,7 +86,12 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
     manifest = engine.manifest
     workloads = default_workloads(settings.workloads, loaded.tokenizer, seed=settings.seed, quick=settings.quick)
     for path in settings.datasets:
-        workloads[Path(path).stem] = read_jsonl(Path(path))
+        name = Path(path).stem
+        if name in workloads:
+            raise DLiteError(f"two workloads are named {name!r} (datasets are named after their files, and the "
+                             f"generated ones are {', '.join(WORKLOAD_NAMES)}); rename {path} or leave the "
+                             "generated workload out with --workloads.")
+        workloads[name] = read_jsonl(Path(path))
     if not workloads:
         raise DLiteError("no workloads to run; pass --workloads or --dataset FILE.")
     prepared = prepare(workloads, loaded.tokenizer, manifest.limits.max_seq_len)
@@ -101,6 +110,7 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
                               "settings": settings_json(settings), "workloads": {}}
     records = []
     for name, tasks in prepared.items():
+        warm_up(methods, max((p.turns[0] for p in tasks), key=len))  # the workload's largest shapes, untimed
         advance = phase(f"workload {name}", len(tasks) * len(methods))
         summary, recs = run_workload(name, tasks, methods, block_size=manifest.draft_config.block_size,
                                      kv_bytes_per_token=kv_bytes_per_token, advance=advance)
@@ -109,46 +119,53 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
                                      "context_tokens_max": max(p.longest for p in tasks), "methods": summary}
 
     fits = [b for b in settings.batch_sizes if b <= manifest.limits.max_batch]
-    sweep_methods = [m for m in methods if m.name != "reference"]
-    if fits:  # the first turns of the workload with the shortest prompts, at most SWEEP_PROMPT_TOKENS each
+    sweep_methods = [m for m in methods if m.name != "reference"]  # one runtime: the engine's
+    if fits and sweep_methods:  # first turns of the workload with the shortest prompts, cut to SWEEP_PROMPT_TOKENS
         tasks = min(prepared.values(), key=lambda ts: sum(len(p.turns[0]) for p in ts) / len(ts))
         prompts = [p.turns[0][-SWEEP_PROMPT_TOKENS:] for p in tasks]
         advance = phase("batch sweep", len(fits) * settings.sweep_rounds * len(sweep_methods))
         report["batch_sweep"] = batch_sweep(prompts, sweep_methods, fits, settings.sweep_tokens,
                                             settings.sweep_rounds, advance)
-    report["batch_sweep_skipped"] = [b for b in settings.batch_sizes if b not in fits]
+    report["batch_sweep_skipped"] = [b for b in settings.batch_sizes if b not in fits or not sweep_methods]
 
     contexts = [c for c in settings.contexts if c + settings.context_steps + 2 * manifest.draft_config.block_size
                 <= manifest.limits.max_seq_len]
     report["context_cost"] = {"contexts": contexts, "skipped": [c for c in settings.contexts if c not in contexts]}
-    if contexts and "dlite" in settings.methods:
+    if contexts:
         prompts = {c: held_out_ids(loaded.tokenizer, c) for c in contexts}
-        advance = phase("step cost vs context", (settings.context_rounds + 1) * len(contexts) + len(contexts))
-        report["context_cost"]["step_vs_decode"] = context_cost.step_vs_decode(
-            engine, prompts, settings.context_steps, settings.context_rounds, advance)
-        report["context_cost"]["step_profile"] = context_cost.step_profile(
-            engine.runner.engine_dir, contexts, runs=settings.profile_runs, threads=threads, progress=advance)
-        _draft_shares(report, contexts)
-    for w in report["workloads"].values():
-        for name, s in w["methods"].items():
-            if name != "dlite":
-                s["draft_share"] = s["host_draft_share"]
+        bursts = max(1, settings.call_runs // 10)
+        advance = phase("step cost vs context",
+                        (settings.context_rounds + 1) * len(contexts) + bursts + len(contexts))
+        cost = report["context_cost"]
+        cost["step_vs_decode"] = context_cost.step_vs_decode(engine, prompts, settings.context_steps,
+                                                             settings.context_rounds, advance)
+        cost["call_times"] = context_cost.call_times(engine, contexts, runs=settings.call_runs, progress=advance)
+        cost["step_profile"] = context_cost.step_profile(engine.runner.engine_dir, contexts,
+                                                         runs=settings.profile_runs, threads=threads, progress=advance)
+    _draft_shares(report, contexts)
     report["machine"]["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report["goals"] = goals(report)
     return report, workloads, records
 
 
 def _draft_shares(report: dict, contexts: Sequence[int]) -> None:
-    """DLite's draft share of step time per workload, from the step profile at the nearest context."""
-    profile = report["context_cost"]["step_profile"]
+    """The draft's share of step time per workload and method. DLite's draft runs inside the step
+    call; its wall time is the step call minus a verify-only call, taken at the shortest measured
+    context (where that difference is least noisy; the profiler shows it does not depend on the
+    context), over the step call at the context nearest the workload's mean. Host drafters
+    (n-gram lookup, the reference) time their drafting."""
+    calls = report["context_cost"].get("call_times")
     for w in report["workloads"].values():
-        s = w["methods"].get("dlite")
-        if s is None:
-            continue
-        ctx = nearest_context(contexts, s["context_tokens"]["mean"])
-        row = profile[str(ctx)]
-        s["draft_share"] = row["draft_ms"] / (row["draft_ms"] + row["target_ms"] + row["other_ms"])
-        s["draft_share_source"] = f"step graph profile at context {ctx}"
+        for name, s in w["methods"].items():
+            s["draft_share"], s["draft_share_source"] = s["host_draft_share"], "host time drafting / decode time"
+            if name == "dlite":
+                s["draft_share"], s["draft_share_source"] = None, "not measured (no context in range)"
+                if calls:
+                    ctx = nearest_context(contexts, s["context_tokens"]["mean"])
+                    draft_ms = calls[str(min(contexts))]["draft_ms"]
+                    s["draft_share"] = min(draft_ms / calls[str(ctx)]["step_call_ms"], 1.0)
+                    s["draft_share_source"] = (f"(step call - verify-only call) at context {min(contexts)} / "
+                                               f"step call at context {ctx}")
 
 
 def settings_json(settings: BenchSettings) -> dict:

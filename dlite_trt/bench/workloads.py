@@ -32,7 +32,6 @@ from typing import Any
 from dlite_trt.errors import DLiteError
 from dlite_trt.jsonl import json_lines
 
-WORKLOAD_NAMES = ("agentic", "long-context", "chat")
 LONG_CONTEXT_TOKENS = (2048, 4096, 8192, 16384)
 _DEF = re.compile(r"^\s*def (\w+)\(", re.M)
 

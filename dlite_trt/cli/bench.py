@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from dlite_trt.bench.methods import METHOD_NAMES
-from dlite_trt.bench.workloads import WORKLOAD_NAMES
+from dlite_trt.bench.names import METHOD_NAMES, WORKLOAD_NAMES, check_names
+from dlite_trt.errors import DLiteError
 
 BUILD_MAX_SEQ_LEN = 16384 + 256  # what an engine built here for the bench holds: the longest workload
 
@@ -25,11 +25,10 @@ def _ints(value: str, option: str) -> tuple[int, ...]:
 
 
 def _names(value: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
-    out = tuple(v.strip() for v in value.split(",") if v.strip())
-    unknown = [v for v in out if v not in allowed]
-    if unknown:
-        raise click.BadParameter(f"unknown {unknown}; choose from {', '.join(allowed)}", param_hint=option)
-    return out
+    try:
+        return check_names((v.strip() for v in value.split(",") if v.strip()), allowed, "names")
+    except DLiteError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from exc
 
 
 @click.command("bench")
@@ -65,7 +64,7 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers.utils import logging as hf_logging
 
-    from dlite_trt.bench.report import print_tables, write_json, write_plots
+    from dlite_trt.bench.report import print_tables, write_json, write_plots, write_records
     from dlite_trt.bench.suite import BenchSettings, run_bench
     from dlite_trt.bench.workloads import write_jsonl
     from dlite_trt.bundled import check_pair_options, pair_or_bundled
@@ -73,6 +72,9 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
 
     hf_logging.disable_progress_bar()
     check_pair_options(target, draft)
+    if ngram_min > ngram_max:
+        raise click.BadParameter(f"--ngram-min {ngram_min} is above --ngram-max {ngram_max}",
+                                 param_hint="'--ngram-min'")
     method_names = _names(methods, METHOD_NAMES, "'--methods'")
     if not method_names:
         raise click.BadParameter("name at least one method", param_hint="'--methods'")
@@ -123,17 +125,10 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
     out.mkdir(parents=True, exist_ok=True)
     for name, tasks in ran.items():
         write_jsonl(tasks, out / "workloads" / f"{name}.jsonl")
-    write_jsonl_records(records, out / "requests.jsonl")
+    write_records(records, out / "requests.jsonl")
     write_json(report, out / "bench.json")
     plots = [] if no_plots else write_plots(report, out)
     print_tables(report, Console())
     click.echo(f"wrote {out / 'bench.json'}, {out / 'requests.jsonl'}"
                + "".join(f", {p}" for p in plots) + f", {out / 'workloads'}/*.jsonl")
 
-
-def write_jsonl_records(records: list, path: Path) -> None:
-    import json
-    from dataclasses import asdict
-
-    path.write_text("".join(json.dumps({k: v for k, v in asdict(r).items() if k != "output_ids"}) + "\n"
-                            for r in records))

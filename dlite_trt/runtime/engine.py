@@ -185,19 +185,19 @@ class EngineSession(SessionBase):
 
 
     def max_verify_tokens(self) -> int:
-        return self.gen.cfg.block_size  # the KV capacity reserved past the longest sequence
+        # the KV capacity reserved past the longest sequence, and at most one decode chunk
+        return min(self.gen.cfg.block_size, self.gen.manifest.limits.max_chunk)
 
     def _target_verify(self, fed: list[list[int]], pos: list[int], params: SamplingParams,
                        uniforms) -> list[list[int]]:
-        b, width = self.batch_size, max(map(len, fed))
-        ids = np.zeros((b, width), np.int64)
-        for row, toks in enumerate(fed):
-            ids[row, : len(toks)] = toks
+        padded, count = self._padded(fed)
+        ids = np.array(padded, np.int64)
+        b, width = ids.shape
         out = self._call("decode", {
             "input_ids": ids, "past_len": np.array(pos, np.int64),
             "output_index": np.broadcast_to(np.arange(width, dtype=np.int64), (b, width)),
             "temperature": np.full(b, params.temperature, np.float32), "uniforms": _host(uniforms, b, width)},
-            pos, [len(toks) if active else 0 for toks, active in zip(fed, self._active, strict=True)])
+            pos, count)
         return [out["next_tokens"][row, : len(toks)].tolist() for row, toks in enumerate(fed)]
 
 

@@ -4,9 +4,9 @@ As transformers' ``prompt_lookup_num_tokens`` and vLLM's ``ngram`` method: the l
 sequence (n from ``max_ngram`` down to ``min_ngram``) are looked up earlier in the same sequence
 (prompt and output), and the tokens that followed that occurrence are proposed. Here the most
 recent occurrence wins (agentic contexts repeat what was just shown). The target verifies the
-proposal in one call, exactly as it verifies a DLite block: greedy keeps the leading drafts the
-target agrees with, so the output is the target's own greedy output. A step without a match is a
-plain decode step.
+proposal in one call (``SessionBase.stream_drafted``), exactly as it verifies a DLite block:
+greedy keeps the leading drafts the target agrees with, so the output is the target's own greedy
+output. A step without a match is a plain decode step.
 
 The index is kept incrementally: each token is indexed once, when it stops being the last token,
 so a step costs O(n-gram size), not O(context). What the drafter must process when the context
@@ -15,12 +15,10 @@ changes (a new turn, a tool result) is exactly the appended tokens; ``sync`` ind
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dlite_trt.errors import DLiteError
-from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent
-from dlite_trt.runtime.stats import StageTimer
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,8 @@ class NgramIndex:
 
 
 class PromptLookupDrafter:
-    """One index per sequence of a session; keep it for the session's lifetime (multi-turn)."""
+    """One index per sequence of a session; keep it for the session's lifetime (multi-turn).
+    A ``Drafter`` for ``SessionBase.stream_drafted``."""
 
     def __init__(self, batch: int, cfg: PromptLookupConfig | None = None) -> None:
         self.cfg = cfg or PromptLookupConfig()
@@ -84,45 +83,3 @@ class PromptLookupDrafter:
 
     def propose(self, row: int, tokens: Sequence[int], limit: int) -> list[int]:
         return self.indexes[row].propose(tokens, min(limit, self.cfg.num_tokens))
-
-
-def stream_prompt_lookup(session: SessionBase, params: SamplingParams, drafter: PromptLookupDrafter,
-                         timer: StageTimer | None = None) -> Iterator[StepEvent]:
-    """Speculative decoding with prompt-lookup drafts, verified by the session's target.
-
-    Each step feeds [last token, d_1..d_m] (m <= K, 0 without a match) to the target and keeps
-    d_1..d_n while the target's token at each position equals the next draft, plus the target's
-    own token after d_n. With sampling, a one-hot draft is accepted when the target's sample
-    equals it; the first sample that differs is the correction, so the output follows the
-    target's distribution.
-    """
-    if len(drafter.indexes) != session.batch_size:
-        raise DLiteError(f"the drafter has {len(drafter.indexes)} sequences, the session {session.batch_size}.")
-    timer = timer or StageTimer()
-    b = session.batch_size
-    limit = session.max_verify_tokens() - 1
-    uniforms = session._start(params)
-    if params.max_new_tokens == 0:
-        return
-    with timer.time("draft_context"):
-        drafter.sync(session.tokens)
-    with timer.time("prefill"):
-        first = session._target_first(params, uniforms)
-    yield StepEvent(tuple(session._emit(row, [first[row]], params) for row in range(b)), None)
-    while any(session._active):
-        with timer.time("draft"):
-            proposals = [drafter.propose(row, session.tokens[row], limit) if session._active[row] else []
-                         for row in range(b)]
-        with timer.time("verify"):
-            pos = [len(t) - 1 for t in session.tokens]  # the last token, not yet cached
-            fed = [[session.tokens[row][-1], *proposals[row]] for row in range(b)]
-            target = session._target_verify(fed, pos, params, uniforms)
-            accepted = []
-            for row in range(b):
-                n = 0
-                while n < len(proposals[row]) and target[row][n] == proposals[row][n]:
-                    n += 1
-                accepted.append(n)
-            event = session._finish_step(
-                proposals, accepted, lambda row, n, p=proposals, t=target: p[row][:n] + [t[row][n]], pos, params)
-        yield event

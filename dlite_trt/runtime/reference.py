@@ -11,6 +11,7 @@ acceptance length. The draft keeps no state, so ``extend`` costs it nothing.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+
 import torch
 
 from dlite_trt.errors import DLiteError
@@ -25,7 +26,12 @@ from dlite_trt.runtime.sampling import (
     rejection_accept,
     sample_from_logits,
 )
-from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent
+from dlite_trt.runtime.session import (
+    GeneratorBase,
+    SamplingParams,
+    SessionBase,
+    StepEvent,
+)
 from dlite_trt.runtime.stats import StageTimer
 
 VERIFY_TOKENS = 8  # tokens per verify call for drafts other than DLite (prompt lookup) without a draft
@@ -94,13 +100,10 @@ class Session(SessionBase):
     @torch.inference_mode()
     def _target_verify(self, fed: list[list[int]], pos: list[int], params: SamplingParams,
                        uniforms) -> list[list[int]]:
-        b, width = self.batch_size, max(map(len, fed))
-        ids = torch.zeros(b, width, dtype=torch.long)
-        for row, toks in enumerate(fed):
-            ids[row, : len(toks)] = torch.tensor(toks)
-        out = self._run_target(ids.to(self.device), pos, [len(t) if a else 0 for t, a in zip(fed, self._active,
-                                                                                              strict=True)],
-                               torch.arange(width, device=self.device).expand(b, -1))
+        padded, count = self._padded(fed)
+        ids = torch.tensor(padded, device=self.device)
+        b, width = ids.shape
+        out = self._run_target(ids, pos, count, torch.arange(width, device=self.device).expand(b, -1))
         tokens = sample_from_logits(out.logits, params.temperature, self._u(uniforms, b, width)).tolist()
         return [tokens[row][: len(toks)] for row, toks in enumerate(fed)]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +44,18 @@ class StepEvent:
 
 
 Uniforms = Callable[..., torch.Tensor | None]  # uniforms(*shape): float32 in [0, 1), or None when greedy
+
+
+class Drafter(Protocol):
+    """A model-free drafter (e.g. n-gram prompt lookup) for ``SessionBase.stream_drafted``."""
+
+    indexes: Sequence[Any]  # one per sequence
+
+    def sync(self, tokens: Sequence[Sequence[int]]) -> int:
+        """Catch up on what the sequences gained outside decoding; returns the tokens processed."""
+
+    def propose(self, row: int, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` draft tokens to follow ``tokens``."""
 
 
 class SessionBase:
@@ -93,6 +106,48 @@ class SessionBase:
     def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
         raise NotImplementedError
 
+    def stream_drafted(self, params: SamplingParams, drafter: Drafter,
+                       timer: StageTimer | None = None) -> Iterator[StepEvent]:
+        """Speculative decoding with a model-free drafter's proposals, verified by the target.
+
+        Each step feeds [last token, d_1..d_m] (m <= max_verify_tokens() - 1; 0 without a
+        proposal) to the target and keeps d_1..d_n while the target's token at each position
+        equals the next draft, plus the target's own token after d_n: greedy output is the
+        target's own. With sampling, a (one-hot) draft is accepted when the target's sample
+        equals it, and the first sample that differs is the correction: exactly rejection
+        sampling against a one-hot proposal, so the output follows the target's distribution.
+        """
+        if len(drafter.indexes) != self.batch_size:
+            raise DLiteError(f"the drafter has {len(drafter.indexes)} sequences, the session {self.batch_size}.")
+        timer = timer or StageTimer()
+        b = self.batch_size
+        limit = self.max_verify_tokens() - 1
+        uniforms = self._start(params)
+        if params.max_new_tokens == 0:
+            return
+        with timer.time("draft_context"):
+            drafter.sync(self.tokens)
+        with timer.time("prefill"):
+            first = self._target_first(params, uniforms)
+        yield StepEvent(tuple(self._emit(row, [first[row]], params) for row in range(b)), None)
+        while any(self._active):
+            with timer.time("draft"):
+                proposals = [drafter.propose(row, self.tokens[row], limit) if self._active[row] else []
+                             for row in range(b)]
+            with timer.time("verify"):
+                pos = [len(t) - 1 for t in self.tokens]  # the last token, not yet cached
+                target = self._target_verify([[t[-1], *p] for t, p in zip(self.tokens, proposals, strict=True)],
+                                             pos, params, uniforms)
+                accepted = []
+                for want, got in zip(proposals, target, strict=True):
+                    n = 0
+                    while n < len(want) and got[n] == want[n]:
+                        n += 1
+                    accepted.append(n)
+                event = self._finish_step(proposals, accepted,
+                                          lambda row, n, p=proposals, t=target: p[row][:n] + [t[row][n]], pos, params)
+            yield event
+
     def stream_target_only(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
         """Yield each call's token per sequence, decoding with the target alone (the baseline)."""
         timer = timer or StageTimer()
@@ -132,6 +187,12 @@ class SessionBase:
         """Run the target on fed[b] at positions pos[b].. (all cached for active rows, only the
         accepted ones count: ``_finish_step`` sets the lengths); the target's token after each fed token."""
         raise NotImplementedError
+
+    def _padded(self, fed: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """``fed`` right-padded with 0 to one width, and the entries to cache per row (0 for finished rows)."""
+        width = max(map(len, fed))
+        return ([row + [0] * (width - len(row)) for row in fed],
+                [len(row) if active else 0 for row, active in zip(fed, self._active, strict=True)])
 
     def _finish_step(self, proposals: Sequence[Sequence[int]], accepted: Sequence[int],
                      emitted: Callable[[int, int], list[int]], anchor_pos: Sequence[int],
