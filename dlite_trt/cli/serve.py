@@ -1,0 +1,86 @@
+"""`dlite-trt triton-repo` and `dlite-trt serve`: a Triton model repository for an engine, and a
+real Triton Inference Server running it."""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+ENGINE = click.option("--engine", required=True, type=click.Path(path_type=Path, file_okay=False),
+                      help="Engine directory from `dlite-trt build`.")
+INSTANCES = click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
+                         help="Model instances (each its own process with its own engine session).")
+MAX_BATCH = click.option("--max-batch", type=click.IntRange(min=1),
+                         help="Requests Triton batches into one engine batch [default: the engine's --max-batch].")
+THREADS = click.option("--threads", type=click.IntRange(min=1),
+                       help="ONNX Runtime intra-op threads per instance (default: one per core).")
+
+
+@click.command("triton-repo")
+@ENGINE
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Repository directory to write (replaced if it is a dlite-trt repository).")
+@INSTANCES
+@MAX_BATCH
+@click.option("--streaming", is_flag=True, help="Also a decoupled model, dlite_stream, that streams each step's tokens.")
+@THREADS
+def triton_repo(engine: Path, out: Path, instances: int, max_batch: int | None, streaming: bool,
+                threads: int | None) -> None:
+    """Write a Triton model repository that serves an engine (Python backend)."""
+    from dlite_trt.serve.triton_repo import write_repository
+
+    names = write_repository(engine, out, instances=instances, max_batch=max_batch, streaming=streaming,
+                             threads=threads)
+    click.echo(f"wrote {out}: models {', '.join(names)}; serve it with "
+               f"`tritonserver --model-repository {out}` where dlite-trt[triton] is installed")
+
+
+@click.command("serve")
+@ENGINE
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP and gRPC endpoints bind.")
+@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535))
+@INSTANCES
+@MAX_BATCH
+@THREADS
+@click.option("--repo", type=click.Path(path_type=Path, file_okay=False),
+              help="Write the model repository here (default: a temporary directory, removed on exit).")
+def serve(engine: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, instances: int,
+          max_batch: int | None, threads: int | None, repo: Path | None) -> None:
+    """Serve an engine from a real Triton Inference Server until Ctrl-C.
+
+    Uses `tritonserver` on PATH when there is one (NVIDIA's container); otherwise the Triton
+    2.51 server bundled with nvidia-pytriton (`pip install 'dlite-trt[triton]'`). Models:
+    `dlite` (batched) and `dlite_stream` (streaming, decoupled)."""
+    from dlite_trt.serve.server import TritonServer
+    from dlite_trt.serve.triton_repo import write_repository
+
+    with tempfile.TemporaryDirectory(prefix="dlite-repo-") as tmp:
+        repo = repo or Path(tmp) / "repo"
+        write_repository(engine, repo, instances=instances, max_batch=max_batch, streaming=True, threads=threads)
+        server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host)
+        signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
+        try:
+            server.start()
+            click.echo(f"serving {engine} with {server.binary.describe()}\n"
+                       f"  HTTP http://{server.http_url}  gRPC {server.grpc_url}  models: dlite, dlite_stream\n"
+                       f"  curl -X POST http://{server.http_url}/v2/models/dlite/generate "
+                       "-d '{\"text_input\": \"def main():\", \"max_tokens\": 32}'\n"
+                       "Ctrl-C stops it.")
+            while server.process.poll() is None:
+                time.sleep(0.5)
+            raise click.ClickException(f"tritonserver exited with code {server.process.returncode}:\n"
+                                       f"{server.log_tail()}")
+        except KeyboardInterrupt:
+            click.echo("stopping the server")
+        finally:
+            server.stop()
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,1 @@
+"""Serving an engine from NVIDIA Triton Inference Server (Python backend)."""
