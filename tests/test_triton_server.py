@@ -205,3 +205,53 @@ def test_shutdown_leaves_nothing_running(repo):
     assert group_members(group) == []
     assert server.process.poll() is not None
     assert all(port_free("127.0.0.1", p) for p in ports.values())
+
+
+def test_serve_command_runs_until_ctrl_c(engine, tmp_path):
+    """`dlite-trt serve` starts a real server, answers, and on Ctrl-C stops it and everything it started."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ports = _ports()
+    proc = subprocess.Popen([sys.executable, "-m", "dlite_trt.cli", "serve", "--engine", str(engine), "--threads", "1",
+                             *(f"--{k.replace('_', '-')}={v}" for k, v in ports.items())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines, deadline = [], time.monotonic() + 180
+        while time.monotonic() < deadline and not any("Ctrl-C stops it" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "".join(lines)
+            lines.append(line)
+        output = "".join(lines)
+        assert "bundled with nvidia-pytriton" in output or "tritonserver on PATH" in output, output
+        server_pid = int(re.search(r"\(pid (\d+)\)", output).group(1))
+        url = f"http://127.0.0.1:{ports['http_port']}/v2/models/dlite/generate"
+        body = json.dumps({"input_ids": [5, 6, 7], "max_tokens": 4}).encode()
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST"), timeout=60) as r:
+            assert len(json.loads(r.read())["output_ids"]) <= 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, proc.stdout.read()
+        assert group_members(server_pid) == []
+        assert all(port_free("127.0.0.1", p) for p in ports.values())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_triton_repo_command(engine, tmp_path):
+    from click.testing import CliRunner
+
+    from dlite_trt.cli import main
+
+    result = CliRunner().invoke(main, ["triton-repo", "--engine", str(engine), "--out", str(tmp_path / "r"),
+                                       "--instances", "2", "--max-batch", "2", "--streaming"])
+    assert result.exit_code == 0, result.output
+    config = (tmp_path / "r/dlite/config.pbtxt").read_text()
+    assert "max_batch_size: 2" in config and "count: 2" in config
+    assert (tmp_path / "r/dlite_stream/config.pbtxt").is_file()
+    result = CliRunner().invoke(main, ["triton-repo", "--engine", str(engine), "--out", str(tmp_path / "r2"),
+                                       "--max-batch", "9"])
+    assert result.exit_code != 0 and "above the engine's --max-batch 4" in result.output

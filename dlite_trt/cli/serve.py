@@ -67,7 +67,7 @@ def serve(engine: Path, host: str, http_port: int, grpc_port: int, metrics_port:
         signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
         try:
             server.start()
-            click.echo(f"serving {engine} with {server.binary.describe()}\n"
+            click.echo(f"serving {engine} with {server.binary.describe()} (pid {server.process.pid})\n"
                        f"  HTTP http://{server.http_url}  gRPC {server.grpc_url}  models: dlite, dlite_stream\n"
                        f"  curl -X POST http://{server.http_url}/v2/models/dlite/generate "
                        "-d '{\"text_input\": \"def main():\", \"max_tokens\": 32}'\n"

@@ -33,7 +33,8 @@ class ServeTensor:
 INPUTS = (
     ServeTensor("text_input", "bytes", (1,), "prompt text (UTF-8), tokenized with the engine's tokenizer"),
     ServeTensor("input_ids", "int64", (-1,), "prompt token ids (instead of text_input)"),
-    ServeTensor("max_tokens", "int32", (1,), f"tokens to generate, >= 0 [default {DEFAULT_MAX_TOKENS}]"),
+    ServeTensor("max_tokens", "int32", (1,), f"tokens to generate, >= 0 [default {DEFAULT_MAX_TOKENS}, or "
+                                              "what the engine's --max-seq-len leaves]"),
     ServeTensor("temperature", "float32", (1,), "0 = greedy, lossless [default]; > 0 = speculative sampling"),
     ServeTensor("seed", "int64", (1,), "sampling seed (same seed, same tokens)"),
     ServeTensor("stop", "bytes", (-1,), "stop strings: the output ends before the first one"),
@@ -94,7 +95,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, tokenizer: Any, vocab_siz
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise DLiteError(f"input_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}.")
-    max_tokens = _scalar(values, "max_tokens", DEFAULT_MAX_TOKENS, int)
+    # not given: the default, or what room the engine has left after the prompt
+    max_tokens = _scalar(values, "max_tokens", max(0, min(DEFAULT_MAX_TOKENS, max_seq_len - len(prompt))), int)
     if max_tokens < 0:
         raise DLiteError(f"max_tokens must be >= 0, got {max_tokens}.")
     if len(prompt) + max_tokens > max_seq_len:

@@ -158,7 +158,10 @@ class TritonServer:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now (connections in TIME_WAIT do not count, as
+    for any server that sets SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

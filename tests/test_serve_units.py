@@ -1,0 +1,152 @@
+"""Serving without a server: request parsing and its errors, the generated Triton config, and the
+request runner (batched greedy requests, stops, streaming) against target-only greedy decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import hf_greedy
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dlite_trt.engine.build import BuildSettings, build_engine
+from dlite_trt.engine.load import load_engine
+from dlite_trt.engine.manifest import load_manifest
+from dlite_trt.errors import DLiteError
+from dlite_trt.serve.generation import Server
+from dlite_trt.serve.protocol import INPUTS, Request, parse_request
+from dlite_trt.serve.triton_repo import render_config, write_repository
+from dlite_trt.export.contract import EngineLimits
+
+LIMITS = {"vocab_size": 512, "max_seq_len": 64}
+
+
+class _Tok:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 512 for c in text]
+
+
+def _parse(**inputs):
+    return parse_request({k: np.asarray(v) for k, v in inputs.items()}, tokenizer=_Tok(), **LIMITS)
+
+
+def test_parse_valid_requests():
+    r = _parse(text_input=np.array([b"abc"], dtype=object), max_tokens=np.array([[5]], np.int32),
+               temperature=np.array([0.5], np.float32), seed=np.array([3]), stop=np.array([b"\n\n", b"END"], dtype=object),
+               stop_token_ids=np.array([[7, 8]]), ignore_eos=np.array([True]))
+    assert r == Request((97, 98, 99), 5, 0.5, 3, ("\n\n", "END"), (7, 8), True)
+    assert _parse(input_ids=np.array([[1, 2, 3]])) == Request((1, 2, 3), max_tokens=61)  # the room left
+    assert not _parse(input_ids=np.array([1]), temperature=np.array([0.7], np.float32)).greedy
+
+
+@pytest.mark.parametrize(("inputs", "message"), [
+    ({}, "exactly one of text_input"),
+    ({"text_input": np.array([b"a"], dtype=object), "input_ids": np.array([1])}, "exactly one of text_input"),
+    ({"input_ids": np.array([1]), "prompt": np.array([1])}, "unknown inputs ['prompt']"),
+    ({"input_ids": np.array([1.0], np.float32)}, "input input_ids has datatype float32, expected INT64"),
+    ({"input_ids": np.array([[1], [2]])}, "one request carries one prompt"),
+    ({"input_ids": np.array([1]), "max_tokens": np.array([-1], np.int32)}, "max_tokens must be >= 0"),
+    ({"input_ids": np.arange(60), "max_tokens": np.array([10], np.int32)}, "70 tokens, past the engine's --max-seq-len 64"),
+    ({"input_ids": np.array([1, 600])}, "outside the vocabulary [0, 512): [600]"),
+    ({"input_ids": np.array([1]), "temperature": np.array([-0.5], np.float32)}, "temperature must be >= 0"),
+    ({"input_ids": np.array([1]), "stop": np.array([b""], dtype=object)}, "stop strings must not be empty"),
+    ({"text_input": np.array([b"\xff\xfe"], dtype=object)}, "not valid UTF-8"),
+    ({"input_ids": np.array([], np.int64)}, "the prompt is empty"),
+    ({"input_ids": np.array([1]), "max_tokens": np.array([1, 2], np.int32)}, "must hold one value"),
+])
+def test_parse_errors_name_the_problem(inputs, message):
+    with pytest.raises(DLiteError) as err:
+        _parse(**inputs)
+    assert message in str(err.value)
+
+
+def test_parse_rejects_unknown_parameters_and_missing_tokenizer():
+    with pytest.raises(DLiteError, match=r"unknown request parameters \['top_p'\]"):
+        parse_request({"input_ids": np.array([1])}, tokenizer=None, parameters={"top_p": 0.9}, **LIMITS)
+    with pytest.raises(DLiteError, match="no tokenizer; send input_ids"):
+        parse_request({"text_input": np.array([b"a"], dtype=object)}, tokenizer=None, **LIMITS)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("units") / "engine"
+    build_engine(*tiny_pair, out, BuildSettings(limits=EngineLimits(max_batch=2, max_seq_len=256, max_chunk=64)),
+                 progress=False)
+    return out
+
+
+def test_config_comes_from_the_engine(engine):
+    manifest = load_manifest(engine)
+    text = render_config("dlite", manifest, instances=3, max_batch=2, decoupled=False)
+    assert "max_batch_size: 2" in text and "count: 3, kind: KIND_CPU" in text
+    assert "dynamic_batching" in text and "decoupled" not in text
+    assert text.count("name: ") == 1 + len(INPUTS) + 5
+    assert 'key: "max_seq_len" value: { string_value: "256" }' in text
+    assert "TYPE_INT64" in text.split('name: "input_ids"')[1].split("}")[0]  # the contract's input_ids dtype
+    stream = render_config("dlite_stream", manifest, instances=1, max_batch=1, decoupled=True, engine_dir="../e")
+    assert "model_transaction_policy { decoupled: true }" in stream and "dynamic_batching" not in stream
+    with pytest.raises(DLiteError, match="above the engine's --max-batch 2"):
+        render_config("dlite", manifest, instances=1, max_batch=3, decoupled=False)
+
+
+def test_write_repository(engine, tmp_path):
+    names = write_repository(engine, tmp_path / "repo", streaming=True)
+    assert names == ["dlite", "dlite_stream"]
+    assert (tmp_path / "repo/dlite/1/engine/manifest.json").is_file()
+    assert not (tmp_path / "repo/dlite_stream/1/engine").exists()  # one engine copy
+    assert "dlite_trt.serve.triton_model" in (tmp_path / "repo/dlite/1/model.py").read_text()
+    write_repository(engine, tmp_path / "repo")  # replaces its own repository
+    assert not (tmp_path / "repo/dlite_stream").exists()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other/keep.txt").write_text("x")
+    with pytest.raises(DLiteError, match="not a dlite-trt model repository"):
+        write_repository(engine, tmp_path / "other")
+    assert (tmp_path / "other/keep.txt").is_file()
+
+
+@pytest.fixture(scope="module")
+def served(engine, tiny_pair):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    return Server(load_engine(engine)), hf, AutoTokenizer.from_pretrained(tiny_pair[0])
+
+
+def _ids(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(5, 500, n))
+
+
+def test_batched_greedy_requests_equal_each_alone(served):
+    server, hf, _ = served
+    requests = [Request(_ids(i, 4 + 7 * i), max_tokens=m, ignore_eos=True) for i, m in enumerate((20, 7, 0, 13, 1))]
+    replies = server.run(requests)  # 4 greedy requests with tokens: two engine batches (max batch 2)
+    for request, reply in zip(requests, replies, strict=True):
+        want = hf_greedy(hf, list(request.prompt), request.max_tokens) if request.max_tokens else []
+        assert reply.output_ids == want
+        assert reply.accepted <= reply.proposed
+    assert replies[2].output_ids == [] and replies[2].text == ""
+
+
+def test_stops(served):
+    server, hf, tok = served
+    prompt = _ids(3, 10)
+    full = hf_greedy(hf, list(prompt), 40)
+    stop_id = full[12]
+    reply = server.run([Request(prompt, 40, stop_token_ids=(stop_id,), ignore_eos=True)])[0]
+    assert reply.output_ids == full[: full.index(stop_id) + 1]
+    text = tok.decode(full, skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    reply = server.run([Request(prompt, 40, stop=(stop,), ignore_eos=True)])[0]
+    assert reply.text == text[: text.index(stop)]
+    assert stop in tok.decode(reply.output_ids, skip_special_tokens=True)
+    assert stop not in tok.decode(reply.output_ids[:-1], skip_special_tokens=True)
+
+
+def test_streaming_pieces_add_up_to_the_whole(served):
+    server, hf, tok = served
+    for request in (Request(_ids(5, 8), 30, ignore_eos=True), Request(_ids(6, 8), 30, temperature=0.8, seed=1)):
+        pieces = list(server.stream(request))
+        assert len(pieces) > 1
+        ids = [t for _, new, _ in pieces for t in new]
+        text = "".join(delta for delta, _, _ in pieces)
+        whole = server.run([request])[0]  # sampled with the same seed: the same tokens
+        assert ids == whole.output_ids and text == whole.text == tok.decode(ids, skip_special_tokens=True)
+        assert pieces[-1][2].steps == whole.steps
+    assert ids != hf_greedy(hf, list(_ids(6, 8)), 30)  # the sampled one really sampled
