@@ -12,10 +12,10 @@ from dlite_trt.engine.build import BuildSettings, build_engine
 from dlite_trt.engine.load import load_engine
 from dlite_trt.engine.manifest import load_manifest
 from dlite_trt.errors import DLiteError
+from dlite_trt.export.contract import EngineLimits
 from dlite_trt.serve.generation import Server
 from dlite_trt.serve.protocol import INPUTS, Request, parse_request
 from dlite_trt.serve.triton_repo import render_config, write_repository
-from dlite_trt.export.contract import EngineLimits
 
 LIMITS = {"vocab_size": 512, "max_seq_len": 64}
 
@@ -31,7 +31,8 @@ def _parse(**inputs):
 
 def test_parse_valid_requests():
     r = _parse(text_input=np.array([b"abc"], dtype=object), max_tokens=np.array([[5]], np.int32),
-               temperature=np.array([0.5], np.float32), seed=np.array([3]), stop=np.array([b"\n\n", b"END"], dtype=object),
+               temperature=np.array([0.5], np.float32), seed=np.array([3]),
+               stop=np.array([b"\n\n", b"END"], dtype=object),
                stop_token_ids=np.array([[7, 8]]), ignore_eos=np.array([True]))
     assert r == Request((97, 98, 99), 5, 0.5, 3, ("\n\n", "END"), (7, 8), True)
     assert _parse(input_ids=np.array([[1, 2, 3]])) == Request((1, 2, 3), max_tokens=61)  # the room left
@@ -45,7 +46,8 @@ def test_parse_valid_requests():
     ({"input_ids": np.array([1.0], np.float32)}, "input input_ids has datatype float32, expected INT64"),
     ({"input_ids": np.array([[1], [2]])}, "one request carries one prompt"),
     ({"input_ids": np.array([1]), "max_tokens": np.array([-1], np.int32)}, "max_tokens must be >= 0"),
-    ({"input_ids": np.arange(60), "max_tokens": np.array([10], np.int32)}, "70 tokens, past the engine's --max-seq-len 64"),
+    ({"input_ids": np.arange(60), "max_tokens": np.array([10], np.int32)},
+     "70 tokens, past the engine's --max-seq-len 64"),
     ({"input_ids": np.array([1, 600])}, "outside the vocabulary [0, 512): [600]"),
     ({"input_ids": np.array([1]), "temperature": np.array([-0.5], np.float32)}, "temperature must be >= 0"),
     ({"input_ids": np.array([1]), "stop": np.array([b""], dtype=object)}, "stop strings must not be empty"),

@@ -26,7 +26,8 @@ THREADS = click.option("--threads", type=click.IntRange(min=1),
               help="Repository directory to write (replaced if it is a dlite-trt repository).")
 @INSTANCES
 @MAX_BATCH
-@click.option("--streaming", is_flag=True, help="Also a decoupled model, dlite_stream, that streams each step's tokens.")
+@click.option("--streaming", is_flag=True,
+              help="Also a decoupled model, dlite_stream, that streams each step's tokens.")
 @THREADS
 def triton_repo(engine: Path, out: Path, instances: int, max_batch: int | None, streaming: bool,
                 threads: int | None) -> None:
