@@ -26,8 +26,8 @@ import click
 def main(out: Path, seed: int, tokenizer_dir: Path | None, quick: bool) -> None:
     from transformers import AutoTokenizer
 
-    from dlite_trt.bench.suite import default_workloads
     from dlite_trt.bench.names import WORKLOAD_NAMES
+    from dlite_trt.bench.suite import default_workloads
     from dlite_trt.bench.workloads import write_jsonl
     from dlite_trt.bundled import bundled_pair
 

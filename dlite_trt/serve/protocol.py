@@ -101,8 +101,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, tokenizer: Any, vocab_siz
         raise DLiteError(f"max_tokens must be >= 0, got {max_tokens}.")
     if len(prompt) + max_tokens > max_seq_len:
         raise DLiteError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) is "
-                         f"{len(prompt) + max_tokens} tokens, past the engine's --max-seq-len {max_seq_len}; shorten the prompt or lower "
-                         "max_tokens (or rebuild the engine with a larger --max-seq-len).")
+                         f"{len(prompt) + max_tokens} tokens, past the engine's --max-seq-len {max_seq_len}; shorten "
+                         "the prompt or lower max_tokens (or rebuild the engine with a larger --max-seq-len).")
     temperature = _scalar(values, "temperature", 0.0, float)
     if not temperature >= 0.0:
         raise DLiteError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
