@@ -4,7 +4,7 @@ concurrency 1, 4 and 16, and the overhead of Triton over calling the runtime dir
 
 Greedy requests of held-out standard-library code (PROMPT_TOKENS tokens each, --max-tokens new
 tokens), sent over HTTP by one client thread per concurrent request (tritonclient). The direct
-figure runs the same requests through `dlite_trt.serve.generation.Server` in this process, one
+figure runs the same requests through `dlite_trt.serve.generation.RequestRunner` in this process, one
 at a time, alternating with the concurrency-1 Triton runs. Writes every figure to --out (JSON).
 
     python build_scripts/bench_triton.py --engine engines/bundled
@@ -74,7 +74,7 @@ def main(engine: Path | None, out: Path, n_requests: int, max_tokens: int, concu
     from dlite_trt.engine.build import BuildSettings, build_engine, package_versions
     from dlite_trt.engine.load import load_engine
     from dlite_trt.export.contract import EngineLimits
-    from dlite_trt.serve.generation import Server
+    from dlite_trt.serve.generation import RequestRunner
     from dlite_trt.serve.protocol import Request
     from dlite_trt.serve.server import TritonServer, free_port
     from dlite_trt.serve.triton_repo import write_repository
@@ -88,7 +88,7 @@ def main(engine: Path | None, out: Path, n_requests: int, max_tokens: int, concu
         loaded = load_engine(engine, threads=threads)
         text = held_out_ids(loaded.tokenizer, PROMPT_TOKENS * 8)
         prompts = [text[(i % 8) * PROMPT_TOKENS : (i % 8 + 1) * PROMPT_TOKENS] for i in range(n_requests)]
-        direct = Server(loaded)
+        direct = RequestRunner(loaded)
         write_repository(engine, Path(tmp) / "repo", instances=instances, threads=threads)
         report = {"versions": package_versions(), "prompt_tokens": PROMPT_TOKENS, "max_tokens": max_tokens,
                   "instances": instances, "threads": threads or "default", "triton": []}

@@ -13,7 +13,7 @@ from dlite_trt.engine.load import load_engine
 from dlite_trt.engine.manifest import load_manifest
 from dlite_trt.errors import DLiteError
 from dlite_trt.export.contract import EngineLimits
-from dlite_trt.serve.generation import Server
+from dlite_trt.serve.generation import Reply, RequestRunner
 from dlite_trt.serve.protocol import INPUTS, Request, parse_request
 from dlite_trt.serve.triton_repo import render_config, write_repository
 
@@ -49,7 +49,8 @@ def test_parse_valid_requests():
     ({"input_ids": np.arange(60), "max_tokens": np.array([10], np.int32)},
      "70 tokens, past the engine's --max-seq-len 64"),
     ({"input_ids": np.array([1, 600])}, "outside the vocabulary [0, 512): [600]"),
-    ({"input_ids": np.array([1]), "temperature": np.array([-0.5], np.float32)}, "temperature must be >= 0"),
+    ({"input_ids": np.array([1]), "temperature": np.array([-0.5], np.float32)}, "must be a finite number >= 0"),
+    ({"input_ids": np.array([1]), "temperature": np.array([np.inf], np.float32)}, "must be a finite number >= 0"),
     ({"input_ids": np.array([1]), "stop": np.array([b""], dtype=object)}, "stop strings must not be empty"),
     ({"text_input": np.array([b"\xff\xfe"], dtype=object)}, "not valid UTF-8"),
     ({"input_ids": np.array([], np.int64)}, "the prompt is empty"),
@@ -108,7 +109,7 @@ def test_write_repository(engine, tmp_path):
 @pytest.fixture(scope="module")
 def served(engine, tiny_pair):
     hf = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
-    return Server(load_engine(engine)), hf, AutoTokenizer.from_pretrained(tiny_pair[0])
+    return RequestRunner(load_engine(engine)), hf, AutoTokenizer.from_pretrained(tiny_pair[0])
 
 
 def _ids(seed: int, n: int) -> tuple[int, ...]:
@@ -152,3 +153,57 @@ def test_streaming_pieces_add_up_to_the_whole(served):
         assert ids == whole.output_ids and text == whole.text == tok.decode(ids, skip_special_tokens=True)
         assert pieces[-1][2].steps == whole.steps
     assert ids != hf_greedy(hf, list(_ids(6, 8)), 30)  # the sampled one really sampled
+
+
+def test_a_long_and_a_short_prompt_are_not_batched_past_the_engine(served):
+    """Each fits alone; together (longest prompt + largest max_tokens) they would not."""
+    server, hf, _ = served
+    long_, short = Request(_ids(20, 240), 8, ignore_eos=True), Request(_ids(21, 5), 200, ignore_eos=True)
+    assert server._greedy_batches([long_, short]) == [[1], [0]]
+    replies = server.run([long_, short])
+    assert replies[0].output_ids == hf_greedy(hf, list(long_.prompt), 8)
+    assert replies[1].output_ids == hf_greedy(hf, list(short.prompt), 200)
+
+
+def test_end_tokens_stop_a_batch_early(served):
+    """Rows stop at the engine's end tokens inside the batch (the engine here: one whose end token
+    is a token the greedy output reaches), so the batch does not run on to max_tokens."""
+    server, hf, _ = served
+    a, b = _ids(30, 9), _ids(31, 12)
+    full_a, full_b = hf_greedy(hf, list(a), 60), hf_greedy(hf, list(b), 60)
+    saved = server.engine_stops
+    server.engine_stops = (full_a[5], full_b[8])
+    try:
+        replies = server.run([Request(a, 60), Request(b, 60)])
+    finally:
+        server.engine_stops = saved
+    for reply, full in zip(replies, (full_a, full_b), strict=True):
+        stop = next(k for k, t in enumerate(full) if t in (full_a[5], full_b[8]))
+        assert reply.output_ids == full[: stop + 1]
+        assert sum(k for k, _, _ in reply._kept_steps()) == len(reply.output_ids) - 1
+
+
+def test_streaming_a_stop_string_that_spans_tokens(served):
+    server, hf, tok = served
+    prompt = _ids(40, 10)
+    full = hf_greedy(hf, list(prompt), 40)
+    pieces = [tok.decode([t], skip_special_tokens=True) for t in full]
+    k = next(k for k in range(3, 39) if pieces[k] and pieces[k + 1] and tok.decode(full[: k + 2]).count(
+        pieces[k][-1] + pieces[k + 1][0]) == 1)
+    stop = pieces[k][-1] + pieces[k + 1][0]  # ends one token, begins the next
+    request = Request(prompt, 40, stop=(stop,), ignore_eos=True)
+    streamed = list(server.stream(request))
+    whole = server.run([request])[0]
+    text = tok.decode(full, skip_special_tokens=True)
+    assert whole.text == text[: text.index(stop)]
+    assert "".join(t for t, _, _ in streamed) == whole.text  # never a piece of the stop string
+    assert [i for _, ids, _ in streamed for i in ids] == whole.output_ids == full[: k + 2]
+    assert list(streamed[-1][2]._kept_steps()) == list(whole._kept_steps())  # the same statistics
+
+
+def test_acceptance_statistics_count_only_kept_tokens():
+    reply = Reply(output_ids=list(range(10)), text="", steps=[(3, 2, 7), (1, 0, 7), (8, 7, 7), (8, 7, 7)])
+    # 9 tokens after the prefill's: 3 + 1 + 5 of the third step's 8; the fourth step is not in the output
+    assert list(reply._kept_steps()) == [(3, 2, 7), (1, 0, 7), (5, 5, 7)]
+    assert (reply.accepted, reply.proposed, reply.mean_acceptance_length) == (7, 21, 3.0)
+    assert Reply([1], "").mean_acceptance_length == 0.0

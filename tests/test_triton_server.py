@@ -176,7 +176,7 @@ def _stats(server) -> dict:
     ({"text_input": "x", "max_tokens": 4, "top_k": 5}, "unknown request parameters ['top_k']"),
     ({"input_ids": list(range(5, 250)), "max_tokens": 100}, f"past the engine's --max-seq-len {MAX_SEQ_LEN}"),
     ({"input_ids": [5, 6, 100000], "max_tokens": 4}, "outside the vocabulary"),
-    ({"text_input": "x", "temperature": -1.0}, "temperature must be >= 0"),
+    ({"text_input": "x", "temperature": -1.0}, "temperature must be a finite number >= 0"),
 ], ids=["missing-input", "negative-max-tokens", "unknown-parameter", "too-long", "bad-token", "bad-temperature"])
 def test_malformed_requests_get_clear_errors_and_the_server_goes_on(server, oracle, body, message):
     status, reply = _post(server, "/v2/models/dlite/generate", body)
@@ -196,15 +196,49 @@ def test_wrong_dtype_and_unknown_input_are_refused_by_triton(server):
     assert status == 200, reply
 
 
+def _shm() -> set:
+    from pathlib import Path
+
+    return set(Path("/dev/shm").glob("triton_python_backend_shm_region_*"))
+
+
 def test_shutdown_leaves_nothing_running(repo):
     ports = _ports()
+    shm_before = _shm()
     server = TritonServer(repo, **ports).start()
-    group = server.process.pid
+    group, work = server.process.pid, server._work.name
     assert len(group_members(group)) >= 3  # the server and one backend stub per model
+    assert _shm() - shm_before  # the stubs' shared memory
     server.stop()
     assert group_members(group) == []
     assert server.process.poll() is not None
     assert all(port_free("127.0.0.1", p) for p in ports.values())
+    assert _shm() - shm_before == set()  # freed by the server's own shutdown
+    from pathlib import Path
+
+    assert not Path(work).exists()
+
+
+def test_long_and_short_prompts_arriving_together(server, oracle):
+    """Batched together they would pass the engine's --max-seq-len; each is served correctly."""
+    greedy, _ = oracle
+    long_, short = _prompt(50, 240), _prompt(51, 5)
+    jobs = [(long_, 8), (short, 200)] * 4
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda job: _http_infer(server, *job).as_numpy("output_ids").reshape(-1).tolist(), jobs))
+    assert got == [greedy(p, n) for p, n in jobs]
+
+
+def test_grpc_errors_are_invalid_argument(server):
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    n = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+    n.set_data_from_numpy(np.array([[4]], np.int32))
+    with pytest.raises(InferenceServerException) as err:
+        client.infer("dlite", [n])
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "exactly one of text_input" in err.value.message()
 
 
 def test_serve_command_runs_until_ctrl_c(engine, tmp_path):

@@ -15,11 +15,9 @@ SUBCOMMANDS = {
     "build": ("build", "Compile a Qwen3 target and a DLite draft into an engine directory."),
     "generate": ("generate", "Generate with a Qwen3 target and a DLite draft (speculative decoding)."),
     "serve": ("serve", "Serve an engine from a real Triton Inference Server (HTTP, gRPC, streaming)."),
-    "triton-repo": ("serve", "Write a Triton model repository that serves an engine."),
+    "triton-repo": ("triton_repo", "Write a Triton model repository that serves an engine."),
     "train": ("train", "Train DLite drafts with the two-stage recipe (data, teacher, student)."),
 }
-
-COMMAND_OBJECTS = {"serve": "serve", "triton-repo": "triton_repo"}  # modules holding several commands
 
 
 class LazyGroup(click.Group):
@@ -32,7 +30,7 @@ class LazyGroup(click.Group):
         if name not in SUBCOMMANDS:
             return None
         module = importlib.import_module(f"dlite_trt.cli.{SUBCOMMANDS[name][0]}")
-        return getattr(module, COMMAND_OBJECTS.get(name, "command"))
+        return module.command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):

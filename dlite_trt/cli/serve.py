@@ -1,5 +1,4 @@
-"""`dlite-trt triton-repo` and `dlite-trt serve`: a Triton model repository for an engine, and a
-real Triton Inference Server running it."""
+"""`dlite-trt serve`: a real Triton Inference Server running an engine, until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -10,34 +9,7 @@ from pathlib import Path
 
 import click
 
-ENGINE = click.option("--engine", required=True, type=click.Path(path_type=Path, file_okay=False),
-                      help="Engine directory from `dlite-trt build`.")
-INSTANCES = click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
-                         help="Model instances (each its own process with its own engine session).")
-MAX_BATCH = click.option("--max-batch", type=click.IntRange(min=1),
-                         help="Requests Triton batches into one engine batch [default: the engine's --max-batch].")
-THREADS = click.option("--threads", type=click.IntRange(min=1),
-                       help="ONNX Runtime intra-op threads per instance (default: one per core).")
-
-
-@click.command("triton-repo")
-@ENGINE
-@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Repository directory to write (replaced if it is a dlite-trt repository).")
-@INSTANCES
-@MAX_BATCH
-@click.option("--streaming", is_flag=True,
-              help="Also a decoupled model, dlite_stream, that streams each step's tokens.")
-@THREADS
-def triton_repo(engine: Path, out: Path, instances: int, max_batch: int | None, streaming: bool,
-                threads: int | None) -> None:
-    """Write a Triton model repository that serves an engine (Python backend)."""
-    from dlite_trt.serve.triton_repo import write_repository
-
-    names = write_repository(engine, out, instances=instances, max_batch=max_batch, streaming=streaming,
-                             threads=threads)
-    click.echo(f"wrote {out}: models {', '.join(names)}; serve it with "
-               f"`tritonserver --model-repository {out}` where dlite-trt[triton] is installed")
+from dlite_trt.cli.serve_options import ENGINE, INSTANCES, MAX_BATCH, THREADS
 
 
 @click.command("serve")
@@ -51,7 +23,7 @@ def triton_repo(engine: Path, out: Path, instances: int, max_batch: int | None, 
 @THREADS
 @click.option("--repo", type=click.Path(path_type=Path, file_okay=False),
               help="Write the model repository here (default: a temporary directory, removed on exit).")
-def serve(engine: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, instances: int,
+def command(engine: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, instances: int,
           max_batch: int | None, threads: int | None, repo: Path | None) -> None:
     """Serve an engine from a real Triton Inference Server until Ctrl-C.
 
@@ -80,6 +52,8 @@ def serve(engine: Path, host: str, http_port: int, grpc_port: int, metrics_port:
         except KeyboardInterrupt:
             click.echo("stopping the server")
         finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             server.stop()
 
 

@@ -1,20 +1,24 @@
-"""Serving requests on an engine: greedy requests batched into one engine batch, the rest one by
+"""Running requests on an engine: greedy requests batched into engine batches, the rest one by
 one, and streaming; stop strings, stop tokens and acceptance statistics per request.
 
-Greedy output does not depend on the batch it runs in nor on how far the batch runs, so a batch
-of greedy requests runs to its longest ``max_tokens`` and each request's tokens are then cut at
-its own stop tokens, stop strings and ``max_tokens``: exactly what the request alone gives.
-Sampled requests (their own seeds) run alone.
+Greedy output does not depend on the batch it runs in nor on how far the batch runs, so greedy
+requests run together (packed so the batch fits the engine's --max-seq-len, and sharing the
+engine's end tokens unless they ignore them), to the batch's longest ``max_tokens``; each
+request's tokens are then cut at its own ``max_tokens``, stop tokens and stop strings: exactly
+what the request alone gives. Sampled requests (their own seeds) run alone.
+
+A stop string ends the output where it first completes: the text is cut before it, the ids keep
+the tokens that complete it. Streaming holds back text that could be the start of a stop string
+or half of a character split across tokens, so the streamed text always equals the final text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dlite_trt.runtime.session import SamplingParams
-from dlite_trt.runtime.stats import StepRecord
 from dlite_trt.serve.protocol import Request
 
 
@@ -22,24 +26,42 @@ from dlite_trt.serve.protocol import Request
 class Reply:
     output_ids: list[int]
     text: str
-    steps: int = 0  # speculative steps that produced this request's tokens
-    accepted: int = 0
-    proposed: int = 0
+    steps: list[tuple[int, int, int]] = field(default_factory=list)  # per step: (tokens emitted, n, K proposed)
+
+    def _kept_steps(self) -> Iterator[tuple[int, int, int]]:
+        """(tokens kept, drafts accepted and kept, drafts proposed) per step whose tokens are in the output."""
+        left = len(self.output_ids) - 1  # the first token came from the prefill
+        for emitted, n, proposed in self.steps:
+            if left <= 0:
+                return
+            kept = min(emitted, left)
+            yield kept, min(n, kept), proposed
+            left -= kept
+
+    @property
+    def accepted(self) -> int:
+        return sum(a for _, a, _ in self._kept_steps())
+
+    @property
+    def proposed(self) -> int:
+        return sum(p for _, _, p in self._kept_steps())
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens per speculative step (n + 1 each), 0 when no step ran."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+        """Output tokens per speculative step (prefill token excluded); 0 when no step ran."""
+        kept = [k for k, _, _ in self._kept_steps()]
+        return sum(kept) / len(kept) if kept else 0.0
 
 
-class Server:
+class RequestRunner:
     """Runs requests on an opened engine (``engine.load.LoadedEngine``)."""
 
     def __init__(self, loaded: Any) -> None:
         self.generator = loaded.generator
         self.tokenizer = loaded.tokenizer
         self.engine_stops = tuple(loaded.stop_token_ids)
-        self.max_batch = self.generator.manifest.limits.max_batch
+        limits = self.generator.manifest.limits
+        self.max_batch, self.max_seq_len = limits.max_batch, limits.max_seq_len
 
     def stop_ids(self, request: Request) -> tuple[int, ...]:
         return (() if request.ignore_eos else self.engine_stops) + request.stop_token_ids
@@ -51,19 +73,39 @@ class Server:
     def run(self, requests: Sequence[Request]) -> list[Reply]:
         """Replies in request order: greedy requests in engine batches, sampled ones alone."""
         replies: list[Reply | None] = [None] * len(requests)
-        greedy = [i for i, r in enumerate(requests) if r.greedy and r.max_tokens > 0]
-        for start in range(0, len(greedy), self.max_batch):
-            rows = greedy[start : start + self.max_batch]
-            result = self.generator.session([list(requests[i].prompt) for i in rows]).generate(
-                SamplingParams(max_new_tokens=max(requests[i].max_tokens for i in rows)))
-            for row, i in enumerate(rows):
-                ids = self._cut_tokens(requests[i], result.output_ids[row])
-                replies[i] = self._finish(requests[i], ids, result.steps, row)
+        for rows in self._greedy_batches(requests):
+            group = [requests[i] for i in rows]
+            stops = () if group[0].ignore_eos else self.engine_stops  # shared by the whole group
+            result = self.generator.session([list(r.prompt) for r in group]).generate(
+                SamplingParams(max_new_tokens=max(r.max_tokens for r in group), stop_token_ids=stops))
+            for row, (i, request) in enumerate(zip(rows, group, strict=True)):
+                ids = self._cut_tokens(request, result.output_ids[row])
+                ids, text = self._cut_text(request, ids)
+                steps = [(s.accepted[row] + 1, s.accepted[row], len(s.draft_tokens[row]))
+                         for s in result.steps if s.accepted[row] is not None]
+                replies[i] = Reply(ids, text, steps)
         for i, request in enumerate(requests):
             if replies[i] is None:
                 pieces = list(self.stream(request))
                 replies[i] = pieces[-1][2] if pieces else Reply([], "")
         return replies
+
+    def _greedy_batches(self, requests: Sequence[Request]) -> list[list[int]]:
+        """Greedy requests with tokens to make, packed into batches of at most max_batch rows whose
+        longest prompt plus largest max_tokens fits the engine, with the same end-token handling."""
+        order = sorted((i for i, r in enumerate(requests) if r.greedy and r.max_tokens > 0),
+                       key=lambda i: (requests[i].ignore_eos, len(requests[i].prompt)))
+        batches: list[list[int]] = []
+        for i in order:
+            r = requests[i]
+            last = batches[-1] if batches else None
+            if (last is not None and len(last) < self.max_batch and requests[last[0]].ignore_eos == r.ignore_eos
+                    and max(len(requests[j].prompt) for j in [*last, i])
+                    + max(requests[j].max_tokens for j in [*last, i]) <= self.max_seq_len):
+                last.append(i)
+            else:
+                batches.append([i])
+        return batches
 
     def _cut_tokens(self, request: Request, ids: list[int]) -> list[int]:
         ids = ids[: request.max_tokens]
@@ -73,65 +115,53 @@ class Server:
                 return ids[: k + 1]
         return ids
 
-    def _finish(self, request: Request, ids: list[int], steps: Sequence[StepRecord], row: int) -> Reply:
-        ids, text = self._cut_text(request, ids)
-        reply = Reply(ids, text)
-        emitted = 1 if ids else 0  # the prefill's token
-        for step in steps:
-            if emitted >= len(ids):
-                break
-            n = step.accepted[row]
-            if n is None:
-                break
-            reply.steps += 1
-            reply.accepted += n
-            reply.proposed += len(step.draft_tokens[row])
-            emitted += n + 1
-        return reply
-
     def _cut_text(self, request: Request, ids: list[int]) -> tuple[list[int], str]:
-        """At the first stop string: the text before it, the fewest tokens that contain it."""
+        """Where a stop string first completes: the fewest tokens that complete it, the text before it."""
         text = self.decode(ids)
-        hits = [(text.find(s), s) for s in request.stop if s in text]
-        if not hits:
+        if not any(s in text for s in request.stop):
             return ids, text
-        cut, stop = min(hits)
         for k in range(1, len(ids) + 1):
-            if stop in self.decode(ids[:k]):
-                return ids[:k], text[:cut]
-        return ids, text[:cut]
+            prefix = self.decode(ids[:k])
+            starts = [prefix.find(s) for s in request.stop if s in prefix]
+            if starts:
+                return ids[:k], prefix[: min(starts)]
+        raise AssertionError("unreachable: the whole text contains a stop string")
 
     # -- streaming -------------------------------------------------------------------------------
     def stream(self, request: Request) -> Iterator[tuple[str, list[int], Reply]]:
-        """Yield (new text, new ids, reply so far) as the engine accepts tokens; the last reply is final.
-
-        Text is decoded from all tokens so far and sent as the difference; a character still split
-        across tokens is held back until complete. A stop string ends the stream before it."""
+        """Yield (new text, new ids, reply so far) as the engine accepts tokens; the last reply is final."""
         reply, sent = Reply([], ""), 0
         if request.max_tokens == 0:
             return
         params = SamplingParams(max_new_tokens=request.max_tokens, temperature=request.temperature,
                                 seed=request.seed, stop_token_ids=self.stop_ids(request))
         for event in self.generator.session([list(request.prompt)]).stream(params):
+            new = event.new_tokens[0]
             if event.record is not None and event.record.accepted[0] is not None:
-                reply.steps += 1
-                reply.accepted += event.record.accepted[0]
-                reply.proposed += len(event.record.draft_tokens[0])
-            reply.output_ids += event.new_tokens[0]
-            ids, text = self._cut_text(request, reply.output_ids)
-            if len(ids) < len(reply.output_ids):  # a stop string: end here
-                reply.output_ids = ids
-                yield text[len(reply.text):], ids[sent:], _with_text(reply, text)
+                reply.steps.append((len(new), event.record.accepted[0], len(event.record.draft_tokens[0])))
+            reply.output_ids += new
+            full = self.decode(reply.output_ids)
+            if any(s in full for s in request.stop):  # a stop string completed in this step: end here
+                reply.output_ids, text = self._cut_text(request, reply.output_ids)
+                yield _advance(reply, text), reply.output_ids[sent:], reply
                 return
-            stable = text.rstrip("\ufffd")  # a character still split across tokens waits for the rest
-            delta = stable[len(reply.text):]
-            yield delta, reply.output_ids[sent:], _with_text(reply, stable)
+            yield _advance(reply, self._settled(full, request.stop)), reply.output_ids[sent:], reply
             sent = len(reply.output_ids)
-        full = self.decode(reply.output_ids)
-        if full != reply.text:  # the output ended mid-character: send what was held back
-            yield full[len(reply.text):], [], _with_text(reply, full)
+        final = self.decode(reply.output_ids)
+        if final != reply.text:  # what was held back: the output ended there
+            yield _advance(reply, final), [], reply
+
+    @staticmethod
+    def _settled(text: str, stops: Sequence[str]) -> str:
+        """The part of ``text`` that later tokens cannot change or cut: without a trailing split
+        character and without a tail that could begin a stop string."""
+        text = text.rstrip("\ufffd")
+        hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - hold]
 
 
-def _with_text(reply: Reply, text: str) -> Reply:
+def _advance(reply: Reply, text: str) -> str:
+    """Set the reply's text (it only grows) and return what was added."""
+    delta = text[len(reply.text):]
     reply.text = text
-    return reply
+    return delta

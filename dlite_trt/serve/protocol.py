@@ -8,6 +8,7 @@ request's acceptance statistics. Every tensor is per request (Triton adds the ba
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ INPUTS = (
     ServeTensor("max_tokens", "int32", (1,), f"tokens to generate, >= 0 [default {DEFAULT_MAX_TOKENS}, or "
                                               "what the engine's --max-seq-len leaves]"),
     ServeTensor("temperature", "float32", (1,), "0 = greedy, lossless [default]; > 0 = speculative sampling"),
-    ServeTensor("seed", "int64", (1,), "sampling seed (same seed, same tokens)"),
+    ServeTensor("seed", "int64", (1,), "sampling seed (same seed, same tokens); unused when greedy"),
     ServeTensor("stop", "bytes", (-1,), "stop strings: the output ends before the first one"),
     ServeTensor("stop_token_ids", "int64", (-1,), "extra stop token ids (the engine's end tokens always stop)"),
     ServeTensor("ignore_eos", "bool", (1,), "do not stop at the engine's end tokens [default false]"),
@@ -48,7 +49,7 @@ OUTPUTS = (
     ServeTensor("accepted_draft_tokens", "int64", (1,), "draft tokens the target accepted", optional=False),
     ServeTensor("proposed_draft_tokens", "int64", (1,), "draft tokens the target verified", optional=False),
 )
-_BY_NAME = {t.name: t for t in INPUTS}
+INPUTS_BY_NAME = {t.name: t for t in INPUTS}
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, tokenizer: Any, vocab_siz
     if parameters:
         raise DLiteError(f"unknown request parameters {sorted(parameters)}; this model takes its settings as "
                          f"inputs: {', '.join(t.name for t in INPUTS)}.")
-    unknown = sorted(set(inputs) - set(_BY_NAME))
+    unknown = sorted(set(inputs) - set(INPUTS_BY_NAME))
     if unknown:
         raise DLiteError(f"unknown inputs {unknown}; this model takes {', '.join(t.name for t in INPUTS)}.")
     values = {name: _checked(name, value) for name, value in inputs.items()}
@@ -104,8 +105,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, tokenizer: Any, vocab_siz
                          f"{len(prompt) + max_tokens} tokens, past the engine's --max-seq-len {max_seq_len}; shorten "
                          "the prompt or lower max_tokens (or rebuild the engine with a larger --max-seq-len).")
     temperature = _scalar(values, "temperature", 0.0, float)
-    if not temperature >= 0.0:
-        raise DLiteError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
+    if not (temperature >= 0.0 and math.isfinite(temperature)):
+        raise DLiteError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}.")
     seed = _scalar(values, "seed", None, int)
     stops = tuple(_text(values["stop"], "stop")) if "stop" in values else ()
     if any(not s for s in stops):
@@ -116,7 +117,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, tokenizer: Any, vocab_siz
 
 
 def _checked(name: str, value: np.ndarray) -> np.ndarray:
-    spec = _BY_NAME[name]
+    spec = INPUTS_BY_NAME[name]
     want = np.object_ if spec.dtype == "bytes" else np.dtype(spec.dtype)
     if value.dtype != want and not (spec.dtype == "bytes" and value.dtype.kind in "SUO"):
         triton = TRITON_TYPES[spec.dtype].removeprefix("TYPE_")

@@ -82,14 +82,15 @@ class TritonServer:
     log_path: Path | None = None
     process: subprocess.Popen | None = field(default=None, init=False)
     binary: TritonBinary | None = field(default=None, init=False)
+    _work: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
 
     @property
     def http_url(self) -> str:
-        return f"{self.host}:{self.http_port}"
+        return f"{_url_host(self.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
+        return f"{_url_host(self.host)}:{self.grpc_port}"
 
     def start(self, timeout: float = 180.0) -> TritonServer:
         for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
@@ -114,13 +115,16 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise DLiteError(f"tritonserver exited with code {self.process.returncode} while starting:\n"
-                                 f"{self.log_tail()}")
+                problem = f"tritonserver exited with code {self.process.returncode} while starting"
+                break
             if self.ready():
                 return self
             time.sleep(0.25)
+        else:
+            problem = f"tritonserver was not ready after {timeout:.0f} s"
+        log = self.log_tail()  # before stop() removes the work directory that holds the log
         self.stop()
-        raise DLiteError(f"tritonserver was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+        raise DLiteError(f"{problem}:\n{log}")
 
     def ready(self) -> bool:
         try:
@@ -135,18 +139,18 @@ class TritonServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM to the server's process group (it unloads models and ends its stubs), then SIGKILL."""
-        if self.process is not None and self.process.poll() is None:
-            pgid = self.process.pid
-            os.killpg(pgid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(pgid, signal.SIGKILL)
-                self.process.wait()
+        """SIGTERM to the server (it unloads its models, ends its backend stubs and frees their
+        shared memory), then SIGKILL to its whole process group for anything left."""
         if self.process is not None:
+            if self.process.poll() is None:
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
             _kill_group(self.process.pid)  # stubs that outlived the server
-        if getattr(self, "_work", None) is not None:
+        if self._work is not None:
             self._work.cleanup()
             self._work = None
 
@@ -155,6 +159,10 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def port_free(host: str, port: int) -> bool:

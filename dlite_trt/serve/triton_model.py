@@ -9,13 +9,14 @@ A malformed request gets an error response naming the problem; the others in its
 from __future__ import annotations
 
 import json
+import traceback
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dlite_trt.errors import DLiteError
-from dlite_trt.serve.generation import Reply, Server
+from dlite_trt.serve.generation import Reply, RequestRunner
 from dlite_trt.serve.protocol import INPUTS, Request, parse_request
 
 
@@ -31,10 +32,9 @@ class TritonPythonModel:
         engine_dir = Path(args["model_repository"]) / args["model_version"] / params["engine_dir"]
         threads = int(params.get("threads", "0")) or None
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.server = Server(load_engine(engine_dir, threads=threads, preload=("prefill", "step")))
-        limits = self.server.generator.manifest.limits
-        self.limits = dict(vocab_size=self.server.generator.manifest.target_spec.vocab_size,
-                           max_seq_len=limits.max_seq_len)
+        self.runner = RequestRunner(load_engine(engine_dir, threads=threads, preload=("prefill", "step")))
+        manifest = self.runner.generator.manifest
+        self.limits = dict(vocab_size=manifest.target_spec.vocab_size, max_seq_len=manifest.limits.max_seq_len)
 
     def _parse(self, request: Any) -> Request:
         inputs = {}
@@ -43,20 +43,26 @@ class TritonPythonModel:
             if tensor is not None:
                 inputs[t.name] = tensor.as_numpy()
         parameters = json.loads(request.parameters() or "{}")
-        return parse_request(inputs, tokenizer=self.server.tokenizer, parameters=parameters, **self.limits)
+        return parse_request(inputs, tokenizer=self.runner.tokenizer, parameters=parameters, **self.limits)
 
-    def _response(self, reply: Reply) -> Any:
+    def _response(self, text: str, ids: list[int], stats: Reply) -> Any:
         pb = self.pb
         return pb.InferenceResponse(output_tensors=[
-            pb.Tensor("text_output", np.array([reply.text.encode()], dtype=np.object_)),
-            pb.Tensor("output_ids", np.array(reply.output_ids, dtype=np.int64)),
-            pb.Tensor("mean_acceptance_length", np.array([reply.mean_acceptance_length], dtype=np.float32)),
-            pb.Tensor("accepted_draft_tokens", np.array([reply.accepted], dtype=np.int64)),
-            pb.Tensor("proposed_draft_tokens", np.array([reply.proposed], dtype=np.int64)),
+            pb.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
+            pb.Tensor("output_ids", np.array(ids, dtype=np.int64)),
+            pb.Tensor("mean_acceptance_length", np.array([stats.mean_acceptance_length], dtype=np.float32)),
+            pb.Tensor("accepted_draft_tokens", np.array([stats.accepted], dtype=np.int64)),
+            pb.Tensor("proposed_draft_tokens", np.array([stats.proposed], dtype=np.int64)),
         ])
 
     def _error(self, exc: Exception) -> Any:
-        return self.pb.InferenceResponse(error=self.pb.TritonError(str(exc)))
+        """Bad input: INVALID_ARG (HTTP 400) with our message; anything else: INTERNAL, logged in full."""
+        error = self.pb.TritonError
+        if isinstance(exc, DLiteError):
+            return self.pb.InferenceResponse(error=error(str(exc), error.INVALID_ARG))
+        self.pb.Logger.log_error("dlite-trt model failed:\n" + "".join(traceback.format_exception(exc)))
+        return self.pb.InferenceResponse(error=error(f"internal error in the dlite-trt model: {exc!r}",
+                                                     error.INTERNAL))
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
         if self.decoupled:
@@ -68,28 +74,29 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             try:
                 parsed.append(self._parse(request))
-            except DLiteError as exc:
+            except Exception as exc:  # noqa: BLE001 - every request gets its own answer, the others go on
                 parsed.append(None)
                 responses[i] = self._error(exc)
         good = [i for i, p in enumerate(parsed) if p is not None]
         try:
-            replies = self.server.run([parsed[i] for i in good])
-        except DLiteError as exc:  # e.g. the engine refuses a batch: every request in it learns why
-            replies = [exc] * len(good)
-        for i, reply in zip(good, replies, strict=True):
-            responses[i] = self._error(reply) if isinstance(reply, Exception) else self._response(reply)
+            for i, reply in zip(good, self.runner.run([parsed[i] for i in good]), strict=True):
+                responses[i] = self._response(reply.text, reply.output_ids, reply)
+        except Exception as exc:  # noqa: BLE001 - the batch failed: each of its requests learns why
+            for i in good:
+                responses[i] = self._error(exc)
         return responses
 
     def _stream(self, request: Any) -> None:
+        """One response per engine step (that step's text and ids, statistics so far), then a final flag."""
         sender = request.get_response_sender()
         final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            parsed = self._parse(request)
-            for text, ids, reply in self.server.stream(parsed):  # this step's text and ids, stats so far
-                sender.send(self._response(Reply(ids, text, reply.steps, reply.accepted, reply.proposed)))
-            sender.send(flags=final)
-        except DLiteError as exc:
+            for text, ids, reply in self.runner.stream(self._parse(request)):
+                sender.send(self._response(text, ids, reply))
+        except Exception as exc:  # noqa: BLE001 - the client must still get an answer and the final flag
             sender.send(self._error(exc), flags=final)
+            return
+        sender.send(flags=final)
 
     def finalize(self) -> None:
-        self.server = None
+        self.runner = None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dlite_trt.engine.manifest import Manifest, load_manifest
 from dlite_trt.errors import DLiteError
-from dlite_trt.serve.protocol import INPUTS, OUTPUTS, TRITON_TYPES, ServeTensor
+from dlite_trt.serve.protocol import INPUTS, INPUTS_BY_NAME, OUTPUTS, TRITON_TYPES, ServeTensor
 
 MODEL_NAME = "dlite"
 STREAM_MODEL_NAME = "dlite_stream"
@@ -33,14 +33,17 @@ def render_config(name: str, manifest: Manifest, *, instances: int, max_batch: i
     """config.pbtxt for one model. The prompt's dtype comes from the engine's I/O contract, the
     batch limit and the engine facts from its manifest."""
     ids_dtype = manifest.contract["prefill"].tensor("input_ids").dtype
+    if TRITON_TYPES.get(ids_dtype) != TRITON_TYPES[INPUTS_BY_NAME["input_ids"].dtype]:
+        raise DLiteError(f"the engine takes {ids_dtype} token ids; this dlite-trt serves engines with "
+                         f"{INPUTS_BY_NAME['input_ids'].dtype} ids. Rebuild the engine with this dlite-trt.")
     limits = manifest.limits
     if max_batch > limits.max_batch:
         raise DLiteError(f"--max-batch {max_batch} is above the engine's --max-batch {limits.max_batch}; lower it or "
                          "rebuild the engine with a larger --max-batch.")
 
     def tensor(t: ServeTensor, kind: str) -> str:
-        dtype = ids_dtype if t.name in ("input_ids", "output_ids") else t.dtype
-        fields = [f'name: "{t.name}"', f"data_type: {TRITON_TYPES[dtype]}", f"dims: [ {', '.join(map(str, t.dims))} ]"]
+        dims = ", ".join(map(str, t.dims))
+        fields = [f'name: "{t.name}"', f"data_type: {TRITON_TYPES[t.dtype]}", f"dims: [ {dims} ]"]
         if kind == "input":
             fields.append(f"optional: {'true' if t.optional else 'false'}")
             if t.dims == (-1,):

@@ -1,0 +1,16 @@
+"""Options shared by `dlite-trt serve` and `dlite-trt triton-repo`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+ENGINE = click.option("--engine", required=True, type=click.Path(path_type=Path, file_okay=False),
+                      help="Engine directory from `dlite-trt build`.")
+INSTANCES = click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
+                         help="Model instances (each its own process with its own engine session).")
+MAX_BATCH = click.option("--max-batch", type=click.IntRange(min=1),
+                         help="Requests Triton batches into one engine batch [default: the engine's --max-batch].")
+THREADS = click.option("--threads", type=click.IntRange(min=1),
+                       help="ONNX Runtime intra-op threads per instance (default: one per core).")
