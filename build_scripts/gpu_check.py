@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""One command for a GPU machine with PyTorch and OpenAI Triton (TensorRT not needed): checks the
+fused LowRankRecurrence kernel against the PyTorch reference head at Qwen3-8B sizes and times
+both, and times a verify pass of K+1 tokens against a one-token decode step for a
+Qwen3-8B-shaped random target (bf16). Prints ONE JSON line. Under 5 minutes on an H100/H200.
+
+    python build_scripts/gpu_check.py             # on the GPU machine
+    python build_scripts/gpu_check.py --small     # tiny sizes, runs anywhere (CPU: TRITON_INTERPRET=1)
+
+Where TensorRT is installed it says so; building a TensorRT engine is issue 7's remaining work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # plugins/ beside the package
+
+QWEN3_8B = {"hidden": 4096, "vocab": 151936, "rank": 256, "steps": 7, "layers": 36, "heads": 32, "kv_heads": 8,
+            "head_dim": 128, "intermediate": 12288}
+SMALL = {"hidden": 64, "vocab": 300, "rank": 16, "steps": 7, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16,
+         "intermediate": 128}
+
+
+def _timer(device: str):
+    import torch
+
+    def timed(fn, repeat: int) -> float:
+        """Median milliseconds of fn() over ``repeat`` calls after 3 warm-ups."""
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeat):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    return timed
+
+
+def kernel_check(sizes: dict, batch: int, device: str, repeat: int) -> dict:
+    import torch
+
+    from dlite_trt.model.sequential_head import HeadWeights, SequentialHead, recurrence
+    from plugins.lowrank_recurrence.launch import lowrank_recurrence
+
+    torch.manual_seed(batch)
+    head = SequentialHead(sizes["vocab"], sizes["rank"], sizes["hidden"]).to(device)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.05)
+    w = HeadWeights(*(t.detach() for t in head.weights()))
+    hidden = torch.randn(batch, sizes["steps"], sizes["hidden"], device=device)
+    anchor = torch.randint(0, sizes["vocab"], (batch,), device=device)
+    zeros = torch.zeros(batch, device=device)
+    with torch.no_grad():
+        ref = recurrence(w, hidden, anchor, None, 0.0)
+        tokens, logits = lowrank_recurrence(w, hidden, anchor, None, zeros, None, write_logits=True)
+        timed = _timer(device)
+        fused_ms = timed(lambda: lowrank_recurrence(w, hidden, anchor, None, zeros, None, write_logits=False), repeat)
+        unfused_ms = timed(lambda: recurrence(w, hidden, anchor, None, 0.0), repeat)
+    return {"batch": batch, "tokens_equal": float((tokens == ref.tokens).float().mean()),
+            "logits_max_abs_diff": float((logits - ref.logits).abs().max()),
+            "fused_ms": fused_ms, "unfused_pytorch_ms": unfused_ms, "fused_speedup": unfused_ms / fused_ms}
+
+
+def verify_vs_decode(sizes: dict, device: str, context: int, repeat: int) -> dict:
+    """One forward of K+1 tokens vs of 1 token on a KV cache of ``context`` tokens (bf16 on GPU)."""
+    import torch
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = Qwen3Config(vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], num_hidden_layers=sizes["layers"],
+                         num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"],
+                         head_dim=sizes["head_dim"], intermediate_size=sizes["intermediate"],
+                         max_position_embeddings=context + 64)
+    start = time.perf_counter()
+    with torch.device(device):  # random weights made in place, in the target dtype
+        model = Qwen3ForCausalLM._from_config(config, dtype=dtype).eval()
+    build_s = time.perf_counter() - start
+    prompt = torch.randint(0, sizes["vocab"], (1, context), device=device)
+    cache = DynamicCache()
+    timed = _timer(device)
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+
+        def forward(n: int):
+            ids = torch.randint(0, sizes["vocab"], (1, n), device=device)
+            model(ids, cache=cache, use_cache=True)
+            cache.crop(-n)  # drop what this call added: every timed call sees the same context
+
+        verify_ms = timed(lambda: forward(sizes["steps"] + 1), repeat)
+        decode_ms = timed(lambda: forward(1), repeat)
+    return {"context": context, "verify_tokens": sizes["steps"] + 1, "verify_ms": verify_ms, "decode_ms": decode_ms,
+            "verify_over_decode": verify_ms / decode_ms, "dtype": str(dtype), "model_build_s": build_s}
+
+
+@click.command()
+@click.option("--small", is_flag=True, help="Tiny sizes (a smoke test that runs anywhere).")
+@click.option("--repeat", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--context", default=2048, show_default=True, type=click.IntRange(min=1))
+def main(small: bool, repeat: int, context: int) -> None:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise click.UsageError("no GPU here: run with TRITON_INTERPRET=1 (and --small) to check the script on a CPU")
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the reference in true fp32
+    sizes = SMALL if small else QWEN3_8B
+    started = time.perf_counter()
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "sizes": sizes,
+              "torch": torch.__version__}
+    import triton
+
+    result["triton"] = triton.__version__
+    result["kernel"] = [kernel_check(sizes, b, device, repeat) for b in (1, 8)]
+    result["verify_vs_decode"] = verify_vs_decode(sizes, device, min(context, 256) if small else context, repeat)
+    try:
+        import tensorrt
+
+        result["tensorrt"] = f"{tensorrt.__version__} (building TensorRT engines is not implemented yet)"
+    except ImportError:
+        result["tensorrt"] = "not installed"
+    result["seconds"] = time.perf_counter() - started
+    click.echo(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
