@@ -358,6 +358,14 @@ def test_tensorrt_lowering(engine: Engine, graph: str) -> None:
     assert not model.functions
     assert DOMAIN not in {o.domain for o in model.opset_import}
     assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    unsupported = {n.op_type for n in model.graph.node if n.op_type != OP_NAME} - _parser_ops()
+    assert not unsupported, f"ops TensorRT's ONNX parser does not list: {sorted(unsupported)}"
+
+
+def _parser_ops() -> set[str]:
+    """The ONNX operators TensorRT's parser supports, as recorded (with its source) in plugins/."""
+    path = Path(__file__).resolve().parents[1] / "plugins/lowrank_recurrence/onnx_tensorrt_operators.txt"
+    return {line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")}
 
 
 @pytest.mark.parametrize("graph", GRAPHS_STRUCTURE)
