@@ -50,6 +50,8 @@ from dlite_trt.export.recurrence import (
     OUTPUT_NAMES,
     PLUGIN_NAMESPACE,
     PLUGIN_VERSION,
+    TRT_ATTRIBUTES,
+    TRT_WORKSPACE,
 )
 from dlite_trt.model.sequential_head import HeadWeights
 from dlite_trt.model.target import TargetAdapter
@@ -263,16 +265,17 @@ def _check_io(model: onnx.ModelProto, spec: GraphSpec) -> None:
             assert tuple(dims) == tuple(t.dims), f"{spec.name}.{t.name}: dims {dims}, contract {t.dims}"
 
 
-def _check_recurrence_wiring(model: onnx.ModelProto, node: onnx.NodeProto, engine: Engine) -> None:
-    """The node's inputs/outputs mean what INPUT_NAMES/OUTPUT_NAMES say, in that order."""
-    assert len(node.input) == len(INPUT_NAMES) and len(node.output) == len(OUTPUT_NAMES)
+def _check_recurrence_wiring(model: onnx.ModelProto, node: onnx.NodeProto, engine: Engine,
+                             outputs: tuple[str, ...] = OUTPUT_NAMES) -> None:
+    """The node's inputs/outputs mean what INPUT_NAMES/``outputs`` say, in that order."""
+    assert len(node.input) == len(INPUT_NAMES) and len(node.output) == len(outputs)
     wire = dict(zip(INPUT_NAMES, node.input, strict=True))
     sampling = "temperature" in [i.name for i in model.graph.input]
     assert _attrs(node)["sampling"] == int(sampling)
     if sampling:
         assert _source(model, wire["temperature"]) == "temperature"
         assert _source(model, wire["uniforms"]) == "u_draft"
-        assert dict(zip(OUTPUT_NAMES, node.output, strict=True))["logits"] == "next_draft_logits"
+        assert dict(zip(outputs, node.output, strict=True))["logits"] == "next_draft_logits"
     else:  # greedy graphs: no logits leave the graph
         assert "next_draft_logits" not in [o.name for o in model.graph.output]
     initializers = {i.name: i for i in model.graph.initializer}
@@ -353,8 +356,10 @@ def test_tensorrt_lowering(engine: Engine, graph: str) -> None:
     attrs = _attrs(node)
     assert attrs["plugin_namespace"].decode() == PLUGIN_NAMESPACE
     assert attrs["plugin_version"].decode() == PLUGIN_VERSION
-    assert set(attrs) == {*ATTRIBUTES, "plugin_namespace", "plugin_version"}
-    _check_recurrence_wiring(model, node, engine)
+    assert set(attrs) == {*ATTRIBUTES, *TRT_ATTRIBUTES, "plugin_namespace", "plugin_version"}
+    assert attrs["rank"] == engine.draft.cfg.sequential_rank
+    _check_recurrence_wiring(model, node, engine, (*OUTPUT_NAMES, TRT_WORKSPACE))
+    assert node.output[2] not in {o.name for o in model.graph.output}  # the kernel's own scratch
     assert not model.functions
     assert DOMAIN not in {o.domain for o in model.opset_import}
     assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)

@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="needs OpenAI Triton (pip install triton)")
 
 from dlite_trt.model.sequential_head import SequentialHead, recurrence  # noqa: E402
-from plugins.lowrank_recurrence.launch import BLOCK_V, lowrank_recurrence  # noqa: E402
+from plugins.lowrank_recurrence.aot import BLOCK_V  # noqa: E402
+from plugins.lowrank_recurrence.launch import lowrank_recurrence  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [  # (B, K, H, r, V, seed step): V = 300 and 129 are not multiples of the vocabulary tile
@@ -100,3 +101,37 @@ def test_gpu_check_script_runs_small(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert [k["tokens_equal"] for k in result["kernel"]] == [1.0, 1.0]
     assert result["verify_vs_decode"]["verify_tokens"] == 8 and result["verify_vs_decode"]["decode_ms"] > 0
+
+
+@pytest.mark.parametrize(("dtype", "seeded", "sampling"), [("float32", True, False), ("bfloat16", False, True)])
+def test_ahead_of_time_compiles_to_ptx_without_a_gpu(dtype, seeded, sampling):
+    """What the TensorRT plugin embeds: the kernel compiled for sm_90 at Qwen3-8B's rank (in a
+    process without TRITON_INTERPRET: interpreted kernels cannot be compiled)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import json; from plugins.lowrank_recurrence.aot import compile_kernel; "
+            f"k = compile_kernel({dtype!r}, rank=256, seeded={seeded}, sampling={sampling}, capability=(9, 0)); "
+            "print(json.dumps({'name': k.metadata.name, 'warps': k.metadata.num_warps, 'ptx': k.asm['ptx']}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=600)
+    kernel = json.loads(out.stdout.strip().splitlines()[-1])
+    assert f".entry {kernel['name']}" in kernel["ptx"] and ".target sm_90" in kernel["ptx"]
+    assert kernel["warps"] >= 1
+
+
+def test_tensorrt_registration_needs_tensorrt():
+    pytest.importorskip("plugins.lowrank_recurrence.trt_plugin")
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        from dlite_trt.errors import DLiteError
+        from plugins.lowrank_recurrence.trt_plugin import register
+
+        with pytest.raises(DLiteError, match=r"install dlite-trt\[trt\] on a machine with an NVIDIA GPU"):
+            register()
+    else:
+        pytest.skip("TensorRT is installed: the registration runs in the tensorrt-marked tests")

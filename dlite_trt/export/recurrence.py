@@ -46,6 +46,10 @@ OPSET = 18  # the standard-op opset of every engine graph and of the function bo
 INPUT_NAMES = ("draft_hidden", "anchor", "seed_prev", "temperature", "uniforms", *HeadWeights._fields)
 OUTPUT_NAMES = ("tokens", "logits")
 ATTRIBUTES = ("num_steps", "seeded", "sampling")
+# The TensorRT plugin node also carries the head's rank (its kernel is compiled for it) and a
+# third output, the kernel's per-sequence workspace [B, 2, r] fp32 (state and latent).
+TRT_ATTRIBUTES = ("rank",)
+TRT_WORKSPACE = "workspace"
 
 
 class _RecurrenceOp(torch.autograd.Function):
@@ -160,10 +164,16 @@ def lower_for_tensorrt(model: onnx.ModelProto) -> None:
     nodes = recurrence_nodes(model)
     if not nodes:
         raise ValueError(f"the graph has no {OP_NAME} node to lower")
+    initializers = {i.name: i for i in model.graph.initializer}
     for node in nodes:
+        embedding = initializers.get(node.input[INPUT_NAMES.index("prev_token_embedding")])
+        if embedding is None:
+            raise ValueError(f"{OP_NAME}: prev_token_embedding is not a graph initializer; its rank is unknown")
         node.domain = ""
         node.attribute.extend([onnx.helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
-                               onnx.helper.make_attribute("plugin_version", PLUGIN_VERSION)])
+                               onnx.helper.make_attribute("plugin_version", PLUGIN_VERSION),
+                               onnx.helper.make_attribute("rank", int(embedding.dims[1]))])
+        node.output.append(f"{node.output[0]}_{TRT_WORKSPACE}")
     del model.functions[:]
     keep = [op for op in model.opset_import if op.domain != DOMAIN]
     del model.opset_import[:]

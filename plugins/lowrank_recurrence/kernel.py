@@ -71,11 +71,11 @@ def lowrank_recurrence_kernel(
     temperature_ptr,  # [B] fp32 (<= GREEDY_EPS: greedy)
     uniforms_ptr,  # [B, K] fp32 in [0, 1) (read for sampling rows)
     emb_ptr, ws_ptr, bs_ptr, wm_ptr, bm_ptr, wo_ptr,  # the head weights, as in HeadWeights
-    K, H, R, V, greedy_eps,  # scalars (TensorRT's AOT plugins pass them between inputs and outputs)
+    K, H, R, V,  # int32 scalars (TensorRT's AOT plugins pass them between inputs and outputs)
     tokens_ptr,  # [B, K] int64 out
     logits_ptr,  # [B, K, V] fp32 out (written when WRITE_LOGITS)
     scratch_ptr,  # [B, 2, R] fp32 workspace: state, latent
-    HAS_SEED: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+    GREEDY_EPS: tl.constexpr, HAS_SEED: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -88,7 +88,7 @@ def lowrank_recurrence_kernel(
         _step(emb_ptr, ws_ptr, bs_ptr, wm_ptr, bm_ptr, tl.load(seed_ptr + b), hidden_ptr, False, state_ptr,
               latent_ptr, R, H, BLOCK_R, BLOCK_C)
     temperature = tl.load(temperature_ptr + b)
-    greedy = temperature <= greedy_eps
+    greedy = temperature <= GREEDY_EPS
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     prev = tl.load(anchor_ptr + b)
     for k in range(0, K):

@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from dlite_trt.model.sequential_head import HeadWeights
 from dlite_trt.runtime.sampling import GREEDY_EPS
+from plugins.lowrank_recurrence.aot import constants
 from plugins.lowrank_recurrence.kernel import lowrank_recurrence_kernel
-
-BLOCK_V = 128  # vocabulary tile
-BLOCK_C = 32  # weight columns streamed per chunk
 
 
 def lowrank_recurrence(w: HeadWeights, draft_hidden: torch.Tensor, anchor: torch.Tensor,
@@ -32,7 +29,6 @@ def lowrank_recurrence(w: HeadWeights, draft_hidden: torch.Tensor, anchor: torch
     lowrank_recurrence_kernel[(b,)](
         draft_hidden.contiguous(), anchor.contiguous(), (seed_prev if seed_prev is not None else anchor).contiguous(),
         temperature.float().contiguous(), u.float().contiguous(),
-        *(t.contiguous() for t in w), k, h, r, v, GREEDY_EPS, tokens, logits, scratch,
-        HAS_SEED=seed_prev is not None, WRITE_LOGITS=write_logits,
-        BLOCK_R=triton.next_power_of_2(r), BLOCK_C=BLOCK_C, BLOCK_V=BLOCK_V)
+        *(t.contiguous() for t in w), k, h, r, v, tokens, logits, scratch,
+        **constants(rank=r, seeded=seed_prev is not None, sampling=write_logits))
     return tokens, (logits if write_logits else None)

@@ -1,0 +1,74 @@
+"""The LowRankRecurrence plugin for TensorRT, through ``tensorrt.plugin`` (quickly deployable
+plugins): output shapes, supported formats, and an ahead-of-time implementation (the Triton
+kernel compiled to PTX and embedded in the engine, so the engine runs without Python).
+
+Its id ``dlite::LowRankRecurrence`` comes from ``export.recurrence`` (PLUGIN_NAMESPACE,
+PLUGIN_NAME), which the exporter's TensorRT lowering writes into the graph; TensorRT's ONNX
+parser maps the node to this plugin. Written against TensorRT 10.8+'s ``tensorrt.plugin`` API;
+it has never run (no TensorRT here). ``register()`` is idempotent and imports TensorRT only when
+called.
+"""
+
+from __future__ import annotations
+
+from dlite_trt.errors import DLiteError
+from dlite_trt.export.recurrence import PLUGIN_NAME, PLUGIN_NAMESPACE
+
+PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
+INSTALL_HINT = "install dlite-trt[trt] on a machine with an NVIDIA GPU"
+_registered = False
+
+
+def register() -> None:
+    """Register the plugin with TensorRT (once per process)."""
+    global _registered
+    if _registered:
+        return
+    try:
+        import tensorrt as trt
+        import tensorrt.plugin as trtp
+    except ImportError as exc:
+        raise DLiteError(f"TensorRT is not installed; {INSTALL_HINT}.") from exc
+
+    from plugins.lowrank_recurrence.aot import compile_kernel
+
+    model_types = "FP32|FP16|BF16"  # draft_hidden and the six weights share the model dtype
+    dtype_names = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
+
+    @trtp.register(PLUGIN_ID)
+    def describe(draft_hidden: trtp.TensorDesc, anchor: trtp.TensorDesc, seed_prev: trtp.TensorDesc,
+                 temperature: trtp.TensorDesc, uniforms: trtp.TensorDesc, prev_token_embedding: trtp.TensorDesc,
+                 state_proj_weight: trtp.TensorDesc, state_proj_bias: trtp.TensorDesc,
+                 state_hidden_mlp_weight: trtp.TensorDesc, state_hidden_mlp_bias: trtp.TensorDesc,
+                 output_proj_weight: trtp.TensorDesc, num_steps: int, seeded: int, sampling: int,
+                 rank: int) -> tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+        batch, vocab = draft_hidden.shape_expr[0], prev_token_embedding.shape_expr[0]
+        return (trtp.from_shape_expr((batch, num_steps), dtype=trt.int64),
+                trtp.from_shape_expr((batch, num_steps, vocab), dtype=trt.float32),
+                trtp.from_shape_expr((batch, 2, rank), dtype=trt.float32))  # the kernel's workspace
+
+    @trtp.autotune(PLUGIN_ID)
+    def formats(draft_hidden, anchor, seed_prev, temperature, uniforms, prev_token_embedding, state_proj_weight,
+                state_proj_bias, state_hidden_mlp_weight, state_hidden_mlp_bias, output_proj_weight,
+                outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(", ".join([model_types, "INT64", "INT64", "FP32", "FP32", *[model_types] * 6,
+                                                    "INT64", "FP32", "FP32"]))]
+
+    @trtp.aot_impl(PLUGIN_ID)
+    def ahead_of_time(draft_hidden: trtp.TensorDesc, anchor: trtp.TensorDesc, seed_prev: trtp.TensorDesc,
+                      temperature: trtp.TensorDesc, uniforms: trtp.TensorDesc, prev_token_embedding: trtp.TensorDesc,
+                      state_proj_weight: trtp.TensorDesc, state_proj_bias: trtp.TensorDesc,
+                      state_hidden_mlp_weight: trtp.TensorDesc, state_hidden_mlp_bias: trtp.TensorDesc,
+                      output_proj_weight: trtp.TensorDesc, num_steps: int, seeded: int, sampling: int, rank: int,
+                      outputs: tuple[trtp.TensorDesc], tactic: int):
+        kernel = compile_kernel(dtype_names[draft_hidden.dtype], rank=rank, seeded=bool(seeded),
+                                sampling=bool(sampling))
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = draft_hidden.shape_expr[0]  # one program per sequence
+        launch.block_x = kernel.metadata.num_warps * 32
+        launch.shared_mem = kernel.metadata.shared
+        scalars = (num_steps, draft_hidden.shape_expr[2], rank, prev_token_embedding.shape_expr[0])  # K, H, r, V
+        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in scalars])
+        return kernel.metadata.name.encode(), kernel.asm["ptx"].encode(), launch, extra
+
+    _registered = True
