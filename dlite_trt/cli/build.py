@@ -13,8 +13,14 @@ import click
               help="dlite_v1 draft checkpoint directory [default: the bundled draft].")
 @click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
               help="Engine directory to write (replaced only once the new engine is complete).")
-@click.option("--backend", type=click.Choice(["onnxruntime"]), default="onnxruntime", show_default=True)
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
+              help="tensorrt: TensorRT plans (needs dlite-trt[trt] and an NVIDIA GPU).")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
+              help="Engine precision (bf16: tensorrt only).")
+@click.option("--workspace", "workspace_gb", default=8.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="tensorrt: builder workspace, GB.")
+@click.option("--timing-cache", type=click.Path(path_type=Path, dir_okay=False),
+              help="tensorrt: timing cache file, read if present and updated (faster rebuilds).")
 @click.option("--max-seq-len", default=4096, show_default=True, type=click.IntRange(min=1),
               help="Longest sequence (prompt + generated tokens) the engine accepts.")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(min=1),
@@ -23,8 +29,9 @@ import click
               help="Prompt tokens per prefill call; longer prompts are prefilled in chunks.")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str, max_seq_len: int,
-            max_batch: int, max_chunk: int, random_weights: bool, quiet: bool) -> None:
+def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str, workspace_gb: float,
+            timing_cache: Path | None, max_seq_len: int, max_batch: int, max_chunk: int, random_weights: bool,
+            quiet: bool) -> None:
     """Compile a Qwen3 target and a DLite draft into an engine directory.
 
     Without --target and --draft: the bundled small target and its trained draft."""
@@ -36,7 +43,8 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
 
     hf_logging.disable_progress_bar()
     target, draft = pair_or_bundled(target, draft)
-    settings = BuildSettings(backend=backend, dtype=dtype, random_weights=random_weights,
+    settings = BuildSettings(backend=backend, dtype=dtype, random_weights=random_weights, workspace_gb=workspace_gb,
+                             timing_cache=timing_cache,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len, max_chunk=max_chunk))
     manifest = build_engine(target, draft, out, settings, progress=not quiet)
     total = sum(r["bytes"] for r in manifest.files.values())

@@ -46,6 +46,8 @@ class BuildSettings:
     dtype: str = "fp32"
     limits: EngineLimits = EngineLimits()
     random_weights: bool = False
+    workspace_gb: float = 8.0  # tensorrt: builder workspace
+    timing_cache: Path | None = None  # tensorrt: read, then updated
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -124,6 +126,11 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
     started = time.perf_counter()
     out = Path(out)
     _prepare_out(out)
+    backend_info = {}
+    if settings.backend == "tensorrt":  # before any work: TensorRT and a GPU, or a clear error
+        from dlite_trt.engine.tensorrt_build import require_tensorrt
+
+        backend_info = require_tensorrt()
     limits = settings.limits
     out.parent.mkdir(parents=True, exist_ok=True)
     with stages(progress, total=2 + 2 * len(GRAPH_NAMES)) as advance:
@@ -139,13 +146,23 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
             graphs = {}
             for name in GRAPH_NAMES:
                 advance(f"exporting the {name} graph")
-                onnx_rel, ort_rel = f"{GRAPH_DIR}/{name}.onnx", f"{GRAPH_DIR}/{name}.ort.onnx"
-                export_graph(contract[name], pair.generator.target, pair.generator.draft, tmp / onnx_rel)
-                advance(f"optimizing the {name} graph for ONNX Runtime")
-                optimize_for_onnxruntime(tmp / onnx_rel, tmp / ort_rel)
-                graphs[name] = {"onnx": onnx_rel, "runtime": ort_rel}
+                onnx_rel = f"{GRAPH_DIR}/{name}.onnx"
+                export_graph(contract[name], pair.generator.target, pair.generator.draft, tmp / onnx_rel,
+                             lowering=settings.backend)
+                if settings.backend == "tensorrt":
+                    from dlite_trt.engine.tensorrt_build import build_plan
+
+                    advance(f"building the {name} TensorRT plan")
+                    runtime_rel = f"{GRAPH_DIR}/{name}.plan"
+                    build_plan(tmp / onnx_rel, tmp / runtime_rel, contract[name], workspace_gb=settings.workspace_gb,
+                               timing_cache=settings.timing_cache)
+                else:
+                    advance(f"optimizing the {name} graph for ONNX Runtime")
+                    runtime_rel = f"{GRAPH_DIR}/{name}.ort.onnx"
+                    optimize_for_onnxruntime(tmp / onnx_rel, tmp / runtime_rel)
+                graphs[name] = {"onnx": onnx_rel, "runtime": runtime_rel}
             advance("sharing weights between graphs, hashing files")
-            pack_weights([tmp / rel for paths in graphs.values() for rel in paths.values()])
+            pack_weights([tmp / rel for paths in graphs.values() for rel in paths.values() if rel.endswith(".onnx")])
             _copy_configs(pair.source.path, tmp / "target")
             (tmp / "draft").mkdir()
             shutil.copy2(Path(draft) / "config.json", tmp / "draft" / "config.json")
@@ -158,7 +175,7 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
                 files=file_records(tmp, [str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()]),
                 versions=package_versions(),
                 build={"seconds": round(time.perf_counter() - started, 2), "random_weights": settings.random_weights,
-                       "target": str(target), "draft": str(draft), "machine": platform.machine()})
+                       "target": str(target), "draft": str(draft), "machine": platform.machine(), **backend_info})
             write_manifest(tmp, manifest)
             _install(tmp, out)
         except BaseException:

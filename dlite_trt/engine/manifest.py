@@ -27,7 +27,7 @@ FORMAT = "dlite-trt-engine"
 FORMAT_VERSION = 2  # bump when the graph I/O or directory layout changes incompatibly
 GRAPH_DIR = "graphs"  # graphs/{name}.onnx, graphs/{name}.ort.onnx, graphs/weights.bin
 HASH_AT_LOAD_MAX_BYTES = 64 << 20  # files up to this size are hashed on every load; larger ones on verify
-BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16")}  # what each backend builds
+BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16"), "tensorrt": ("fp32", "fp16", "bf16")}  # what each builds
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

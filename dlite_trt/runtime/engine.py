@@ -216,5 +216,7 @@ def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = 
 
     manifest = load_manifest(Path(engine_dir), verify=verify)
     if manifest.backend != "onnxruntime":
-        raise EngineError(f"{engine_dir} is a {manifest.backend} engine; this dlite-trt runs onnxruntime engines.")
+        raise EngineError(f"{engine_dir} is a {manifest.backend} engine; this dlite-trt runs onnxruntime engines "
+                          "(the TensorRT runner is not written yet). Build one with `dlite-trt build` "
+                          "--backend onnxruntime.")
     return EngineGenerator(OrtRunner(Path(engine_dir), manifest, threads=threads).activate(preload), manifest)

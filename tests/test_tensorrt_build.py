@@ -1,0 +1,70 @@
+"""`dlite-trt build --backend tensorrt`: clear errors without TensorRT or a GPU, the optimization
+profile from the I/O contract, and (where TensorRT and a GPU exist) a real build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dlite_trt.cli import main
+from dlite_trt.config import DraftConfig
+from dlite_trt.engine.tensorrt_build import profile_shapes
+from dlite_trt.export.contract import EngineLimits, cache_capacity_max, engine_contract
+from dlite_trt.tiny_models import tiny_target_spec
+
+
+def _has_tensorrt() -> bool:
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_tensorrt() and torch.cuda.is_available(), reason="TensorRT and a GPU are here")
+def test_without_tensorrt_or_a_gpu_the_build_stops_at_once(tiny_pair, tmp_path):
+    result = CliRunner().invoke(main, ["build", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]),
+                                       "--out", str(tmp_path / "engine"), "--backend", "tensorrt", "--quiet"])
+    assert result.exit_code != 0
+    assert "install dlite-trt[trt] on a machine with an NVIDIA GPU" in result.output
+    assert not (tmp_path / "engine").exists() and list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_bf16_is_tensorrt_only(tiny_pair, tmp_path):
+    result = CliRunner().invoke(main, ["build", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]),
+                                       "--out", str(tmp_path / "engine"), "--dtype", "bf16", "--quiet"])
+    assert result.exit_code != 0 and "the onnxruntime backend builds ('fp32', 'fp16'), not 'bf16'" in result.output
+
+
+def test_optimization_profile_covers_the_limits():
+    spec = tiny_target_spec(512)
+    cfg = DraftConfig.for_target(spec, num_hidden_layers=2, chs_num_layers=3, mask_token_id=3, block_size=8,
+                                 anchor_group_size=4)
+    limits = EngineLimits(max_batch=6, max_seq_len=300, max_chunk=64)
+    contract = engine_contract(spec, cfg, limits, "fp32")
+    step = profile_shapes(contract["step"])
+    assert step["block"][0] == (1, 8) and step["block"][2] == (6, 8)
+    assert step["group_prefix"][2] == (6, 3)
+    kv = step["past_key.0"]
+    assert kv[0][0] == 1 and kv[2][0] == 6 and kv[2][2] == cache_capacity_max(limits, 8) >= 300 + 8
+    decode = profile_shapes(contract["decode"])
+    assert decode["input_ids"][2] == (6, 64) and decode["output_index"][2] == (6, 64)
+    static = [t.name for t in contract["step"].inputs if all(isinstance(d, int) for d in t.dims)]
+    assert not set(static) & set(step)  # static inputs need no profile
+
+
+@pytest.mark.tensorrt
+@pytest.mark.gpu
+@pytest.mark.skipif(not (_has_tensorrt() and torch.cuda.is_available()), reason="needs TensorRT and an NVIDIA GPU")
+def test_real_tensorrt_build(tiny_pair, tmp_path):
+    import json
+
+    result = CliRunner().invoke(main, ["build", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]),
+                                       "--out", str(tmp_path / "engine"), "--backend", "tensorrt", "--quiet",
+                                       "--max-seq-len", "256", "--timing-cache", str(tmp_path / "cache.bin")])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "engine/manifest.json").read_text())
+    assert manifest["backend"] == "tensorrt" and manifest["build"]["plugin_version"] == "1"
+    assert all((tmp_path / "engine" / g["runtime"]).stat().st_size > 0 for g in manifest["graphs"].values())
+    assert (tmp_path / "cache.bin").stat().st_size > 0
