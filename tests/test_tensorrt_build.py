@@ -68,3 +68,21 @@ def test_real_tensorrt_build(tiny_pair, tmp_path):
     assert manifest["backend"] == "tensorrt" and manifest["build"]["plugin_version"] == "1"
     assert all((tmp_path / "engine" / g["runtime"]).stat().st_size > 0 for g in manifest["graphs"].values())
     assert (tmp_path / "cache.bin").stat().st_size > 0
+
+
+@pytest.mark.skipif(_has_tensorrt() and torch.cuda.is_available(), reason="TensorRT and a GPU are here")
+def test_a_tensorrt_engine_without_tensorrt_is_a_clear_error(tiny_pair, tmp_path):
+    """An engine directory whose manifest says tensorrt (built elsewhere) refuses to open here."""
+    import json
+
+    from dlite_trt.engine.build import BuildSettings, build_engine
+
+    engine = tmp_path / "engine"
+    build_engine(*tiny_pair, engine, BuildSettings(limits=EngineLimits(max_batch=1, max_seq_len=64, max_chunk=16)),
+                 progress=False)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    manifest["backend"] = "tensorrt"
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["generate", "--engine", str(engine), "--input-ids", "5,6,7"])
+    assert result.exit_code != 0
+    assert "install dlite-trt[trt] on a machine with an NVIDIA GPU" in result.output

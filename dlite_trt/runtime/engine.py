@@ -215,8 +215,8 @@ def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = 
     from dlite_trt.runtime.ort_runner import OrtRunner
 
     manifest = load_manifest(Path(engine_dir), verify=verify)
-    if manifest.backend != "onnxruntime":
-        raise EngineError(f"{engine_dir} is a {manifest.backend} engine; this dlite-trt runs onnxruntime engines "
-                          "(the TensorRT runner is not written yet). Build one with `dlite-trt build` "
-                          "--backend onnxruntime.")
+    if manifest.backend == "tensorrt":
+        from dlite_trt.runtime.trt_runner import TrtRunner
+
+        return EngineGenerator(TrtRunner(Path(engine_dir), manifest).activate(preload), manifest)
     return EngineGenerator(OrtRunner(Path(engine_dir), manifest, threads=threads).activate(preload), manifest)

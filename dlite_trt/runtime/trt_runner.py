@@ -1,0 +1,142 @@
+"""Runs an engine directory's TensorRT plans, behind the same interface as ``OrtRunner``:
+``activate()`` / ``deactivate()``, ``new_cache(batch)``, ``infer(graph, feeds, cache)`` -> outputs.
+
+Buffers live on the GPU: the KV cache is one preallocated torch CUDA buffer per K and V (as on
+the CPU), each ``past_key.{i}`` input is bound to layer i's slice by address (no copy), and the
+runtime stores only the accepted entries (O(block) per step). Host inputs (numpy) are copied to
+the GPU; outputs come back as CUDA tensors, so ``next_block`` and ``next_draft_logits`` feed the
+next step without a host round trip, and the generator reads the few small ones it needs.
+
+Written against the TensorRT 10 Python API; it has never run (no TensorRT or GPU where it was
+written). Not done yet: CUDA graphs for the step call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dlite_trt.dtypes import TORCH
+from dlite_trt.engine.manifest import Manifest
+from dlite_trt.errors import EngineError
+from dlite_trt.export.contract import kv_input
+from dlite_trt.runtime.kv_cache import KVCache
+
+
+class TrtRunner:
+    def __init__(self, engine_dir: Path, manifest: Manifest) -> None:
+        if manifest.backend != "tensorrt":
+            raise EngineError(f"{engine_dir} is a {manifest.backend} engine, not a TensorRT one.")
+        from dlite_trt.engine.tensorrt_build import require_tensorrt
+
+        require_tensorrt()
+        self.engine_dir = Path(engine_dir)
+        self.manifest = manifest
+        self.contract = manifest.contract
+        self.engines: dict[str, Any] = {}
+        self.contexts: dict[str, Any] = {}
+        self.engine_seconds = 0.0
+
+    def activate(self, graphs: tuple[str, ...] = ("prefill", "step")) -> TrtRunner:
+        for name in graphs:
+            self._context(name)
+        return self
+
+    def deactivate(self) -> None:
+        self.contexts.clear()
+        self.engines.clear()
+
+    def __enter__(self) -> TrtRunner:
+        return self.activate()
+
+    def __exit__(self, *exc: object) -> None:
+        self.deactivate()
+
+    def _context(self, name: str) -> Any:
+        if name in self.contexts:
+            return self.contexts[name]
+        import tensorrt as trt
+
+        from plugins.lowrank_recurrence.trt_plugin import register
+
+        register()  # the plugin's creator must exist before a plan that uses it is deserialized
+        path = self.engine_dir / self.manifest.graphs[name]["runtime"]
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            raise EngineError(f"TensorRT cannot load {path}: built by another TensorRT version or for another GPU? "
+                              "Rebuild it with `dlite-trt build --backend tensorrt` on this machine.")
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        spec = self.contract[name]
+        if sorted(names) != sorted(spec.input_names + spec.output_names + _extra_outputs(names, spec)):
+            raise EngineError(f"{path} has tensors {names}, the manifest's contract {spec.input_names} -> "
+                              f"{spec.output_names}; the engine is inconsistent. Rebuild it.")
+        self.engines[name] = engine
+        self.contexts[name] = engine.create_execution_context()
+        return self.contexts[name]
+
+    def new_cache(self, batch: int) -> KVCache:
+        spec = self.manifest.target_spec
+        return KVCache(spec.num_hidden_layers, batch, spec.num_key_value_heads, spec.head_dim, capacity=0,
+                       dtype=TORCH[self.manifest.dtype], device="cuda")
+
+    def infer(self, graph: str, feeds: Mapping[str, Any], cache: KVCache) -> dict[str, Any]:
+        import numpy as np
+        import torch
+
+        context = self._context(graph)
+        engine = self.engines[graph]
+        spec = self.contract[graph]
+        keep = []  # device copies of host inputs must outlive the launch
+        for t in spec.inputs:
+            kv = kv_input(t.name)
+            if kv is not None:
+                value = (cache.k if kv[0] == "key" else cache.v)[kv[1]]  # [B, kvH, cap, D], contiguous
+            else:
+                value = feeds[t.name]
+                if isinstance(value, np.ndarray):
+                    value = torch.from_numpy(np.ascontiguousarray(value, dtype=t.dtype)).cuda()
+                value = value.contiguous()
+                keep.append(value)
+            context.set_input_shape(t.name, tuple(value.shape))
+            context.set_tensor_address(t.name, value.data_ptr())
+        outputs = {}
+        for i in range(engine.num_io_tensors):
+            name = engine.get_tensor_name(i)
+            if engine.get_tensor_mode(name) != _trt().TensorIOMode.OUTPUT:
+                continue
+            shape = tuple(context.get_tensor_shape(name))
+            outputs[name] = torch.empty(shape, dtype=_torch_dtype(engine.get_tensor_dtype(name)), device="cuda")
+            context.set_tensor_address(name, outputs[name].data_ptr())
+        stream = torch.cuda.current_stream()
+        started = time.perf_counter()
+        if not context.execute_async_v3(stream.cuda_stream):
+            raise EngineError(f"TensorRT failed to run the {graph} graph of {self.engine_dir}.")
+        stream.synchronize()
+        self.engine_seconds += time.perf_counter() - started
+        del keep
+        return {t.name: outputs[t.name] for t in spec.outputs}
+
+
+def _extra_outputs(names: list[str], spec: Any) -> list[str]:
+    """Plugin outputs TensorRT exposes besides the contract's (the recurrence kernel's workspace)."""
+    from dlite_trt.export.recurrence import TRT_WORKSPACE
+
+    return [n for n in names if n.endswith(f"_{TRT_WORKSPACE}") and n not in spec.output_names]
+
+
+def _trt() -> Any:
+    import tensorrt as trt
+
+    return trt
+
+
+def _torch_dtype(trt_dtype: Any) -> Any:
+    import torch
+
+    trt = _trt()
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+             trt.int64: torch.int64, trt.int32: torch.int32, trt.bool: torch.bool}
+    return table[trt_dtype]
