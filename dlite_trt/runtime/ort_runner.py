@@ -27,11 +27,12 @@ from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
 from dlite_trt.export.contract import kv_input
 from dlite_trt.runtime.kv_cache import KVCache
+from dlite_trt.runtime.runner import RunnerBase
 
 DEVICE_OUTPUTS = frozenset({"next_draft_logits"})  # fed back to the next step as ``draft_logits``
 
 
-class OrtRunner:
+class OrtRunner(RunnerBase):
     def __init__(self, engine_dir: Path, manifest: Manifest, *, threads: int | None = None) -> None:
         if manifest.backend != "onnxruntime":
             raise EngineError(f"{engine_dir} is a {manifest.backend} engine, not an ONNX Runtime one.")
@@ -46,13 +47,9 @@ class OrtRunner:
         self.engine_seconds = 0.0  # time inside run_with_iobinding, accumulated
         self._identity = self._file_identity()  # graphs load lazily: they must come from this same build
 
-    # -- lifecycle ---------------------------------------------------------------------------
-    def activate(self, graphs: tuple[str, ...] = ("prefill", "step")) -> OrtRunner:
-        """Load ``graphs`` now (the speculative path); others load on first use (``decode`` is only
-        needed for target-only decoding, and every session holds its own prepacked weights)."""
-        for name in graphs:
-            self._session(name)
-        return self
+    # -- lifecycle (activate / with: RunnerBase); every session holds its own prepacked weights ----
+    def _load(self, name: str) -> Any:
+        return self._session(name)
 
     def _session(self, name: str) -> Any:
         if name in self.sessions:
@@ -103,12 +100,6 @@ class OrtRunner:
         self.sessions.clear()
         self._bindings.clear()
         self._bound.clear()
-
-    def __enter__(self) -> OrtRunner:
-        return self.activate()
-
-    def __exit__(self, *exc: object) -> None:
-        self.deactivate()
 
     def new_cache(self, batch: int) -> KVCache:
         spec = self.manifest.target_spec

@@ -23,9 +23,10 @@ from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
 from dlite_trt.export.contract import kv_input
 from dlite_trt.runtime.kv_cache import KVCache
+from dlite_trt.runtime.runner import RunnerBase
 
 
-class TrtRunner:
+class TrtRunner(RunnerBase):
     def __init__(self, engine_dir: Path, manifest: Manifest) -> None:
         if manifest.backend != "tensorrt":
             raise EngineError(f"{engine_dir} is a {manifest.backend} engine, not a TensorRT one.")
@@ -39,20 +40,12 @@ class TrtRunner:
         self.contexts: dict[str, Any] = {}
         self.engine_seconds = 0.0
 
-    def activate(self, graphs: tuple[str, ...] = ("prefill", "step")) -> TrtRunner:
-        for name in graphs:
-            self._context(name)
-        return self
+    def _load(self, name: str) -> Any:
+        return self._context(name)
 
     def deactivate(self) -> None:
         self.contexts.clear()
         self.engines.clear()
-
-    def __enter__(self) -> TrtRunner:
-        return self.activate()
-
-    def __exit__(self, *exc: object) -> None:
-        self.deactivate()
 
     def _context(self, name: str) -> Any:
         if name in self.contexts:
