@@ -31,6 +31,7 @@ from dlite_trt.bench.workloads import (
     read_jsonl,
     source_files,
 )
+from dlite_trt.dtypes import TORCH
 from dlite_trt.engine.build import package_versions
 from dlite_trt.errors import DLiteError
 from dlite_trt.runtime.prompt_lookup import PromptLookupConfig
@@ -96,11 +97,10 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
         raise DLiteError("no workloads to run; pass --workloads or --dataset FILE.")
     prepared = prepare(workloads, loaded.tokenizer, manifest.limits.max_seq_len)
     methods = make_methods(settings.methods, engine, reference, settings.ngram)
-    warm_up(methods, next(iter(prepared.values()))[0].turns[0][:256])
 
     spec = manifest.target_spec
     kv_bytes_per_token = (2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim
-                          * _dtype_bytes(manifest.dtype))
+                          * TORCH[manifest.dtype].itemsize)
     report: dict[str, Any] = {"schema": SCHEMA, "command": command,
                               "machine": machine(threads), "versions": {"engine_built_with": manifest.versions,
                                                                         "running": package_versions()},
@@ -181,7 +181,3 @@ def machine(threads: int | None) -> dict:
             "cpus": os.cpu_count(), "python": platform.python_version(),
             "onnxruntime_threads": threads or "default (one per physical core)",
             "torch_threads": torch.get_num_threads(), "ci": bool(os.environ.get("CI"))}
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return {"fp32": 4, "fp16": 2, "bf16": 2}[dtype]

@@ -11,11 +11,11 @@ called.
 
 from __future__ import annotations
 
+from dlite_trt.engine.tensorrt_build import INSTALL_HINT
 from dlite_trt.errors import DLiteError
 from dlite_trt.export.recurrence import PLUGIN_NAME, PLUGIN_NAMESPACE
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
-INSTALL_HINT = "install dlite-trt[trt] on a machine with an NVIDIA GPU"
 _registered = False
 
 
