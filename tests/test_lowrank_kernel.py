@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="needs OpenAI Triton (pip install triton)")
 
 from dlite_trt.model.sequential_head import SequentialHead, recurrence  # noqa: E402
-from plugins.lowrank_recurrence.aot import BLOCK_V  # noqa: E402
+from plugins.lowrank_recurrence.aot import BLOCK_V, DEFAULT_TACTIC, TACTICS  # noqa: E402
 from plugins.lowrank_recurrence.launch import lowrank_recurrence  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,6 +79,29 @@ def test_sampling_with_fixed_uniforms_equals_the_reference(shape):
                        recurrence(w, hidden, anchor, seed_prev, temperature, other).tokens)
 
 
+@pytest.mark.parametrize("tactic", sorted(set(TACTICS) - {DEFAULT_TACTIC}))
+@torch.no_grad()
+def test_every_tensorrt_tactic_gives_the_reference_tokens(tactic):
+    """The plugin's autotuner may pick any tactic (another vocabulary tile, more warps): V = 300
+    is no multiple of any tile; greedy and sampled rows, logits to fp32 rounding."""
+    b, k = 3, 7
+    w, hidden, anchor, seed_prev = _case(b, k, 40, 24, 300, True, seed_value=5)
+    temperature = torch.tensor([0.0, 0.8, 1.1])
+    uniforms = torch.rand(b, k, generator=torch.Generator().manual_seed(11))
+    ref = recurrence(w, hidden, anchor, seed_prev, temperature, uniforms)
+    wd = type(w)(*_to(DEVICE, *w))
+    tokens, logits = lowrank_recurrence(wd, *_to(DEVICE, hidden, anchor, seed_prev, temperature, uniforms),
+                                        write_logits=True, tactic=tactic)
+    assert torch.equal(tokens.cpu(), ref.tokens)
+    torch.testing.assert_close(logits.cpu(), ref.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_tactic_is_refused():
+    w, hidden, anchor, _ = _case(1, 3, 16, 8, 40, False)
+    with pytest.raises(ValueError, match="tactics are"):
+        lowrank_recurrence(w, hidden, anchor, None, torch.zeros(1), None, write_logits=False, tactic=99)
+
+
 def test_sampling_needs_the_logits():
     w, hidden, anchor, _ = _case(1, 3, 16, 8, 40, False)
     with pytest.raises(ValueError, match="write_logits=True"):
@@ -103,8 +126,9 @@ def test_gpu_check_script_runs_small(tmp_path):
     assert result["verify_vs_decode"]["verify_tokens"] == 8 and result["verify_vs_decode"]["decode_ms"] > 0
 
 
-@pytest.mark.parametrize(("dtype", "seeded", "sampling"), [("float32", True, False), ("bfloat16", False, True)])
-def test_ahead_of_time_compiles_to_ptx_without_a_gpu(dtype, seeded, sampling):
+@pytest.mark.parametrize(("dtype", "seeded", "sampling", "tactic"),
+                         [("float32", True, False, DEFAULT_TACTIC), ("bfloat16", False, True, max(TACTICS))])
+def test_ahead_of_time_compiles_to_ptx_without_a_gpu(dtype, seeded, sampling, tactic):
     """What the TensorRT plugin embeds: the kernel compiled for sm_90 at Qwen3-8B's rank (in a
     process without TRITON_INTERPRET: interpreted kernels cannot be compiled)."""
     import json
@@ -113,14 +137,15 @@ def test_ahead_of_time_compiles_to_ptx_without_a_gpu(dtype, seeded, sampling):
     from pathlib import Path
 
     code = ("import json; from plugins.lowrank_recurrence.aot import compile_kernel; "
-            f"k = compile_kernel({dtype!r}, rank=256, seeded={seeded}, sampling={sampling}, capability=(9, 0)); "
+            f"k = compile_kernel({dtype!r}, rank=256, seeded={seeded}, sampling={sampling}, tactic={tactic}, "
+            "capability=(9, 0)); "
             "print(json.dumps({'name': k.metadata.name, 'warps': k.metadata.num_warps, 'ptx': k.asm['ptx']}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=600)
     kernel = json.loads(out.stdout.strip().splitlines()[-1])
     assert f".entry {kernel['name']}" in kernel["ptx"] and ".target sm_90" in kernel["ptx"]
-    assert kernel["warps"] >= 1
+    assert kernel["warps"] == TACTICS[tactic][1]
 
 
 def test_tensorrt_registration_needs_tensorrt():

@@ -10,8 +10,13 @@ from dlite_trt.export.recurrence import INPUT_NAMES
 from dlite_trt.runtime.sampling import GREEDY_EPS
 
 KERNEL_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-BLOCK_V = 128  # vocabulary tile
+BLOCK_V = 128  # vocabulary tile (the default tactic's)
 BLOCK_C = 32  # weight columns streamed per chunk
+# TensorRT tactics the plugin offers its autotuner: tactic id -> (vocabulary tile, warps). The
+# kernel streams output_proj ([V, r]) once per step; wider tiles with more warps keep more loads
+# in flight per program, which matters most at small batch (one program per sequence).
+TACTICS = {1: (BLOCK_V, 4), 2: (256, 8), 3: (512, 16)}
+DEFAULT_TACTIC = 1
 # the kernel's pointer parameters, in order: the node's inputs, then its outputs and workspace
 KERNEL_INPUTS = ("hidden_ptr", "anchor_ptr", "seed_ptr", "temperature_ptr", "uniforms_ptr", "emb_ptr", "ws_ptr",
                  "bs_ptr", "wm_ptr", "bm_ptr", "wo_ptr")
@@ -24,9 +29,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def constants(*, rank: int, seeded: bool, sampling: bool) -> dict[str, Any]:
+def constants(*, rank: int, seeded: bool, sampling: bool, tactic: int = DEFAULT_TACTIC) -> dict[str, Any]:
+    if tactic not in TACTICS:
+        raise ValueError(f"the kernel's tactics are {sorted(TACTICS)}, not {tactic}")
     return {"GREEDY_EPS": GREEDY_EPS, "HAS_SEED": bool(seeded), "WRITE_LOGITS": bool(sampling),
-            "BLOCK_R": next_power_of_2(rank), "BLOCK_C": BLOCK_C, "BLOCK_V": BLOCK_V}
+            "BLOCK_R": next_power_of_2(rank), "BLOCK_C": BLOCK_C, "BLOCK_V": TACTICS[tactic][0]}
 
 
 def signature(model_dtype: str) -> dict[str, str]:
@@ -40,9 +47,9 @@ def signature(model_dtype: str) -> dict[str, str]:
                                                             "scratch_ptr": "*fp32"}
 
 
-def compile_kernel(model_dtype: str, *, rank: int, seeded: bool, sampling: bool,
+def compile_kernel(model_dtype: str, *, rank: int, seeded: bool, sampling: bool, tactic: int = DEFAULT_TACTIC,
                    capability: tuple[int, int] | None = None) -> Any:
-    """Compile for ``capability`` (default: the current GPU's) -> Triton's compiled kernel:
+    """Compile ``tactic`` for ``capability`` (default: the current GPU's) -> Triton's compiled kernel:
     ``.metadata.name``, ``.asm["ptx"]``, ``.metadata.num_warps``, ``.metadata.shared``."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -53,8 +60,9 @@ def compile_kernel(model_dtype: str, *, rank: int, seeded: bool, sampling: bool,
         import torch
 
         capability = torch.cuda.get_device_capability()
-    consts = constants(rank=rank, seeded=seeded, sampling=sampling)
+    consts = constants(rank=rank, seeded=seeded, sampling=sampling, tactic=tactic)
     sig = signature(model_dtype) | dict.fromkeys(consts, "constexpr")
     src = triton.compiler.ASTSource(fn=kernel, signature={name: sig[name] for name in kernel.arg_names},
                                     constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32))
+    return triton.compile(src, target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
+                          options={"num_warps": TACTICS[tactic][1]})

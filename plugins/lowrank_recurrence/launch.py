@@ -7,16 +7,17 @@ import torch
 
 from dlite_trt.model.sequential_head import HeadWeights
 from dlite_trt.runtime.sampling import GREEDY_EPS
-from plugins.lowrank_recurrence.aot import constants
+from plugins.lowrank_recurrence.aot import DEFAULT_TACTIC, TACTICS, constants
 from plugins.lowrank_recurrence.kernel import lowrank_recurrence_kernel
 
 
 def lowrank_recurrence(w: HeadWeights, draft_hidden: torch.Tensor, anchor: torch.Tensor,
                        seed_prev: torch.Tensor | None, temperature: torch.Tensor, uniforms: torch.Tensor | None,
-                       *, write_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       *, write_logits: bool, tactic: int = DEFAULT_TACTIC) -> tuple[torch.Tensor, torch.Tensor | None]:
     """draft_hidden [B, K, H] fp32, anchor / seed_prev [B] int64, temperature [B] fp32, uniforms
     [B, K] fp32 -> tokens [B, K] int64 and, with ``write_logits`` (needed to sample), logits
-    [B, K, V] fp32. Rows with temperature <= GREEDY_EPS take the argmax."""
+    [B, K, V] fp32. Rows with temperature <= GREEDY_EPS take the argmax. ``tactic``: one of the
+    TensorRT plugin's (``aot.TACTICS``: vocabulary tile and warps); every tactic gives the same tokens."""
     b, k, h = draft_hidden.shape
     v, r = w.prev_token_embedding.shape
     if not write_logits and bool((temperature > GREEDY_EPS).any()):
@@ -30,5 +31,6 @@ def lowrank_recurrence(w: HeadWeights, draft_hidden: torch.Tensor, anchor: torch
         draft_hidden.contiguous(), anchor.contiguous(), (seed_prev if seed_prev is not None else anchor).contiguous(),
         temperature.float().contiguous(), u.float().contiguous(),
         *(t.contiguous() for t in w), k, h, r, v, tokens, logits, scratch,
-        **constants(rank=r, seeded=seed_prev is not None, sampling=write_logits))
+        **constants(rank=r, seeded=seed_prev is not None, sampling=write_logits, tactic=tactic),
+        num_warps=TACTICS[tactic][1])
     return tokens, (logits if write_logits else None)

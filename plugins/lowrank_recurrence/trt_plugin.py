@@ -30,7 +30,7 @@ def register() -> None:
     except ImportError as exc:
         raise DLiteError(f"TensorRT is not installed; {INSTALL_HINT}.") from exc
 
-    from plugins.lowrank_recurrence.aot import compile_kernel
+    from plugins.lowrank_recurrence.aot import TACTICS, compile_kernel
 
     model_types = "FP32|FP16|BF16"  # draft_hidden and the six weights share the model dtype
     dtype_names = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
@@ -51,8 +51,10 @@ def register() -> None:
     def formats(draft_hidden, anchor, seed_prev, temperature, uniforms, prev_token_embedding, state_proj_weight,
                 state_proj_bias, state_hidden_mlp_weight, state_hidden_mlp_bias, output_proj_weight,
                 outputs) -> list[trtp.AutoTuneCombination]:
-        return [trtp.AutoTuneCombination(", ".join([model_types, "INT64", "INT64", "FP32", "FP32", *[model_types] * 6,
-                                                    "INT64", "FP32", "FP32"]))]
+        combination = trtp.AutoTuneCombination(", ".join([model_types, "INT64", "INT64", "FP32", "FP32",
+                                                          *[model_types] * 6, "INT64", "FP32", "FP32"]))
+        combination.tactics(sorted(TACTICS))  # vocabulary tile x warps: TensorRT times each, keeps the fastest
+        return [combination]
 
     @trtp.aot_impl(PLUGIN_ID)
     def ahead_of_time(draft_hidden: trtp.TensorDesc, anchor: trtp.TensorDesc, seed_prev: trtp.TensorDesc,
@@ -62,7 +64,7 @@ def register() -> None:
                       output_proj_weight: trtp.TensorDesc, num_steps: int, seeded: int, sampling: int, rank: int,
                       outputs: tuple[trtp.TensorDesc], tactic: int):
         kernel = compile_kernel(dtype_names[draft_hidden.dtype], rank=rank, seeded=bool(seeded),
-                                sampling=bool(sampling))
+                                sampling=bool(sampling), tactic=tactic)
         launch = trtp.KernelLaunchParams()
         launch.grid_x = draft_hidden.shape_expr[0]  # one program per sequence
         launch.block_x = kernel.metadata.num_warps * 32
