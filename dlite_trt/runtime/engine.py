@@ -208,9 +208,10 @@ def _host(uniforms, *shape: int) -> np.ndarray:
 
 
 def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = False,
-                preload: tuple[str, ...] = ("prefill", "step")) -> EngineGenerator:
+                preload: tuple[str, ...] = ("prefill", "step"), cuda_graphs: bool = True) -> EngineGenerator:
     """Load and check an engine directory; returns a ready generator. ``preload`` graphs are
-    loaded now (each ONNX Runtime session holds its own prepacked weights); the others on first use."""
+    loaded now (each ONNX Runtime session holds its own prepacked weights); the others on first use.
+    ``cuda_graphs``: a TensorRT engine replays its step as a CUDA graph (no effect on ONNX Runtime)."""
     from dlite_trt.engine.manifest import load_manifest
     from dlite_trt.runtime.ort_runner import OrtRunner
 
@@ -218,5 +219,6 @@ def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = 
     if manifest.backend == "tensorrt":
         from dlite_trt.runtime.trt_runner import TrtRunner
 
-        return EngineGenerator(TrtRunner(Path(engine_dir), manifest).activate(preload), manifest)
+        runner = TrtRunner(Path(engine_dir), manifest, cuda_graphs=cuda_graphs)
+        return EngineGenerator(runner.activate(preload), manifest)
     return EngineGenerator(OrtRunner(Path(engine_dir), manifest, threads=threads).activate(preload), manifest)

@@ -7,8 +7,12 @@ runtime stores only the accepted entries (O(block) per step). Host inputs (numpy
 the GPU; outputs come back as CUDA tensors, so ``next_block`` and ``next_draft_logits`` feed the
 next step without a host round trip, and the generator reads the few small ones it needs.
 
+The step (and the one-token decode) repeats with the same shapes and cache addresses from one
+call to the next, so it runs as a CUDA graph (``runtime.cuda_graphs.CallGraphs``): eager the first
+time, captured the second, replayed after that; ``cuda_graphs=False`` turns this off.
+
 Written against the TensorRT 10 Python API; it has never run (no TensorRT or GPU where it was
-written). Not done yet: CUDA graphs for the step call.
+written).
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ from dlite_trt.dtypes import TORCH
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
 from dlite_trt.export.contract import kv_input
+from dlite_trt.runtime.cuda_graphs import CallGraphs
 from dlite_trt.runtime.kv_cache import KVCache
 from dlite_trt.runtime.runner import RunnerBase
 
+GRAPHED_CALLS = frozenset({"step", "step_sampling", "decode"})  # calls that repeat with the same shapes
+
 
 class TrtRunner(RunnerBase):
-    def __init__(self, engine_dir: Path, manifest: Manifest) -> None:
+    def __init__(self, engine_dir: Path, manifest: Manifest, *, cuda_graphs: bool = True) -> None:
         if manifest.backend != "tensorrt":
             raise EngineError(f"{engine_dir} is a {manifest.backend} engine, not a TensorRT one.")
         from dlite_trt.engine.tensorrt_build import require_tensorrt
@@ -39,11 +46,14 @@ class TrtRunner(RunnerBase):
         self.engines: dict[str, Any] = {}
         self.contexts: dict[str, Any] = {}
         self.engine_seconds = 0.0
+        self.graphs = CallGraphs() if cuda_graphs else None
 
     def _load(self, name: str) -> Any:
         return self._context(name)
 
     def deactivate(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()
         self.contexts.clear()
         self.engines.clear()
 
@@ -82,34 +92,43 @@ class TrtRunner(RunnerBase):
         context = self._context(graph)
         engine = self.engines[graph]
         spec = self.contract[graph]
-        keep = []  # device copies of host inputs must outlive the launch
+        inputs = {}  # every input but the cache's, on the GPU
         for t in spec.inputs:
-            kv = kv_input(t.name)
-            if kv is not None:
-                value = (cache.k if kv[0] == "key" else cache.v)[kv[1]]  # [B, kvH, cap, D], contiguous
-            else:
+            if kv_input(t.name) is None:
                 value = feeds[t.name]
                 if isinstance(value, np.ndarray):
-                    value = torch.from_numpy(np.ascontiguousarray(value, dtype=t.dtype)).cuda()
-                value = value.contiguous()
-                keep.append(value)
-            context.set_input_shape(t.name, tuple(value.shape))
-            context.set_tensor_address(t.name, value.data_ptr())
-        outputs = {}
-        for i in range(engine.num_io_tensors):
-            name = engine.get_tensor_name(i)
-            if engine.get_tensor_mode(name) != _trt().TensorIOMode.OUTPUT:
-                continue
-            shape = tuple(context.get_tensor_shape(name))
-            outputs[name] = torch.empty(shape, dtype=_torch_dtype(engine.get_tensor_dtype(name)), device="cuda")
-            context.set_tensor_address(name, outputs[name].data_ptr())
-        stream = torch.cuda.current_stream()
+                    value = torch.from_numpy(np.ascontiguousarray(value, dtype=t.dtype))
+                inputs[t.name] = value.to("cuda").contiguous()
+
+        def bind(values: Mapping[str, Any]) -> dict[str, Any]:
+            for t in spec.inputs:
+                kv = kv_input(t.name)
+                value = values[t.name] if kv is None else (cache.k if kv[0] == "key" else cache.v)[kv[1]]
+                context.set_input_shape(t.name, tuple(value.shape))  # the cache: [B, kvH, cap, D], in place
+                context.set_tensor_address(t.name, value.data_ptr())
+            outputs = {}
+            for i in range(engine.num_io_tensors):
+                name = engine.get_tensor_name(i)
+                if engine.get_tensor_mode(name) == _trt().TensorIOMode.OUTPUT:
+                    outputs[name] = torch.empty(tuple(context.get_tensor_shape(name)), device="cuda",
+                                                dtype=_torch_dtype(engine.get_tensor_dtype(name)))
+                    context.set_tensor_address(name, outputs[name].data_ptr())
+            return outputs
+
+        def execute() -> None:
+            if not context.execute_async_v3(torch.cuda.current_stream().cuda_stream):
+                raise EngineError(f"TensorRT failed to run the {graph} graph of {self.engine_dir}.")
+
         started = time.perf_counter()
-        if not context.execute_async_v3(stream.cuda_stream):
-            raise EngineError(f"TensorRT failed to run the {graph} graph of {self.engine_dir}.")
-        stream.synchronize()
+        if self.graphs is not None and graph in GRAPHED_CALLS:
+            key = (tuple((n, tuple(v.shape), v.dtype) for n, v in inputs.items()), cache.k.data_ptr(),
+                   cache.v.data_ptr(), tuple(cache.k.shape))
+            outputs = self.graphs.run(graph, key, inputs, bind, execute)
+        else:
+            outputs = bind(inputs)
+            execute()
+        torch.cuda.current_stream().synchronize()
         self.engine_seconds += time.perf_counter() - started
-        del keep
         return {t.name: outputs[t.name] for t in spec.outputs}
 
 

@@ -1,0 +1,53 @@
+"""``runtime.compare``: two engine directories on the same inputs (what gpu_check runs for a
+TensorRT engine against ONNX Runtime), here with two real ONNX Runtime builds: fp32 and fp16."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dlite_trt.engine.build import BuildSettings, build_engine
+from dlite_trt.errors import EngineError
+from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits
+from dlite_trt.runtime.compare import compare_generation, compare_graphs
+from dlite_trt.runtime.engine import open_engine
+
+LIMITS = EngineLimits(max_batch=2, max_seq_len=96, max_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    for dtype in ("fp32", "fp16"):
+        build_engine(*tiny_pair, out / dtype, BuildSettings(dtype=dtype, limits=LIMITS), progress=False)
+    return out
+
+
+def test_an_engine_against_itself_differs_nowhere(engines):
+    a, b = open_engine(engines / "fp32", preload=()), open_engine(engines / "fp32", preload=())
+    report = compare_graphs(a, b)
+    assert sorted(report) == sorted(GRAPH_NAMES)
+    for graph, outputs in report.items():
+        for name, diff in outputs.items():
+            assert diff.get("max_abs_diff", 0.0) == 0.0 and diff.get("differing", 0) == 0, (graph, name, diff)
+    generation = compare_generation(a, b, [[5, 6, 7, 8], [9, 10]], max_new_tokens=12)
+    assert generation == {"prompts": 2, "identical": 2, "first_difference": None}
+
+
+def test_fp16_against_fp32_differs_by_rounding(engines):
+    a, b = open_engine(engines / "fp32", preload=()), open_engine(engines / "fp16", preload=())
+    report = compare_graphs(a, b, graphs=("decode", "prefill"))
+    for graph in ("decode", "prefill"):
+        kv = report[graph]["new_key"]
+        assert 0.0 < kv["max_abs_diff"] < 0.05, (graph, kv)  # fp16 rounding of the keys, no more
+    assert report["decode"]["next_tokens"]["of"] == 2 * 8
+    pivot = report["prefill"]["pivot_hidden"]
+    assert 0.0 < pivot["mean_abs_diff"] <= pivot["max_abs_diff"]
+
+
+def test_engines_of_different_models_are_refused(engines):
+    a, b = open_engine(engines / "fp32", preload=()), open_engine(engines / "fp16", preload=())
+    b.manifest = dataclasses.replace(b.manifest, draft_sha256="0" * 64)
+    with pytest.raises(EngineError, match="built from different models"):
+        compare_graphs(a, b)
