@@ -7,7 +7,11 @@ Qwen3-8B-shaped random target (bf16). Prints ONE JSON line. Under 5 minutes on a
     python build_scripts/gpu_check.py             # on the GPU machine
     python build_scripts/gpu_check.py --small     # tiny sizes, runs anywhere (CPU: TRITON_INTERPRET=1)
 
-Where TensorRT is installed it says so; building a TensorRT engine is issue 7's remaining work.
+Where TensorRT is installed it also builds the bundled pair as a TensorRT engine and as an ONNX
+Runtime one, and compares them (``runtime.compare``: every graph on the same random inputs, and
+greedy decoding of the same prompts), with tokens/s of each, and of TensorRT without CUDA graphs.
+``--compare-with onnxruntime`` runs that part against a second ONNX Runtime build instead (a
+check of the script itself where TensorRT is missing).
 """
 
 from __future__ import annotations
@@ -107,11 +111,67 @@ def verify_vs_decode(sizes: dict, device: str, context: int, repeat: int) -> dic
             "verify_over_decode": verify_ms / decode_ms, "dtype": str(dtype), "model_build_s": build_s}
 
 
+def engine_check(work: Path, other: str, max_new_tokens: int) -> dict:
+    """The bundled pair built for ONNX Runtime (fp32) and for ``other``, compared and timed."""
+    from transformers import AutoTokenizer
+
+    from dlite_trt.bundled import bundled_pair
+    from dlite_trt.engine.build import BuildSettings, build_engine
+    from dlite_trt.export.contract import EngineLimits
+    from dlite_trt.runtime.compare import compare_generation, compare_graphs
+    from dlite_trt.runtime.engine import open_engine
+    from dlite_trt.runtime.session import SamplingParams
+
+    target, draft = bundled_pair()
+    limits = EngineLimits(max_batch=4, max_seq_len=512, max_chunk=128)
+    dirs = {"onnxruntime": work / "onnxruntime", other: work / other}
+    built = {}
+    for backend, out in dirs.items():
+        start = time.perf_counter()
+        build_engine(target, draft, out, BuildSettings(backend=backend, limits=limits), progress=False)
+        built[backend] = time.perf_counter() - start
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    texts = ["def parse_args(argv):", "class LRUCache:\n    def __init__(self, capacity):",
+             "import os\nimport sys\n\n\ndef main():", "    for i, line in enumerate(lines):"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    ort, candidate = open_engine(dirs["onnxruntime"]), open_engine(dirs[other])
+    result = {"compared": f"{other} fp32 against onnxruntime fp32", "build_s": built,
+              "graphs": compare_graphs(ort, candidate),
+              "generation": compare_generation(ort, candidate, prompts, max_new_tokens)}
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    engines = {"onnxruntime": ort, other: candidate}
+    if other == "tensorrt":
+        engines["tensorrt_without_cuda_graphs"] = open_engine(dirs[other], cuda_graphs=False)
+    tokens_per_s = {}
+    for name, gen in engines.items():
+        gen.generate([prompts[0]], params)  # warm-up (and, for TensorRT, the CUDA graph capture)
+        start = time.perf_counter()
+        produced = sum(len(gen.generate([p], params).output_ids[0]) for p in prompts)
+        tokens_per_s[name] = produced / (time.perf_counter() - start)
+    result["tokens_per_s"] = tokens_per_s
+    graphs = getattr(candidate.runner, "graphs", None)
+    if graphs is not None:
+        result["cuda_graphs"] = {"captures": graphs.captures, "replays": graphs.replays, "failed": graphs.failed}
+    return result
+
+
+def _tensorrt_version() -> str | None:
+    try:
+        import tensorrt
+    except ImportError:
+        return None
+    return tensorrt.__version__
+
+
 @click.command()
 @click.option("--small", is_flag=True, help="Tiny sizes (a smoke test that runs anywhere).")
 @click.option("--repeat", default=50, show_default=True, type=click.IntRange(min=1))
 @click.option("--context", default=2048, show_default=True, type=click.IntRange(min=1))
-def main(small: bool, repeat: int, context: int) -> None:
+@click.option("--compare-with", type=click.Choice(["tensorrt", "onnxruntime"]), default="tensorrt", show_default=True,
+              help="The engine compared with ONNX Runtime's (tensorrt: only where TensorRT is installed).")
+@click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the compared engines are built [default: a temporary directory].")
+def main(small: bool, repeat: int, context: int, compare_with: str, work: Path | None) -> None:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,12 +188,12 @@ def main(small: bool, repeat: int, context: int) -> None:
     result["triton"] = triton.__version__
     result["kernel"] = [kernel_check(sizes, b, device, repeat) for b in (1, 8)]
     result["verify_vs_decode"] = verify_vs_decode(sizes, device, min(context, 256) if small else context, repeat)
-    try:
-        import tensorrt
+    result["tensorrt"] = _tensorrt_version() or "not installed"
+    if compare_with == "onnxruntime" or result["tensorrt"] != "not installed":
+        import tempfile
 
-        result["tensorrt"] = f"{tensorrt.__version__} (building TensorRT engines is not implemented yet)"
-    except ImportError:
-        result["tensorrt"] = "not installed"
+        with tempfile.TemporaryDirectory() as tmp:
+            result["engines"] = engine_check(work or Path(tmp), compare_with, 32 if small else 64)
     result["seconds"] = time.perf_counter() - started
     click.echo(json.dumps(result))
 

@@ -111,7 +111,8 @@ def test_sampling_needs_the_logits():
 @pytest.mark.slow
 def test_gpu_check_script_runs_small(tmp_path):
     """build_scripts/gpu_check.py (the GPU machine's one command) at tiny sizes: one JSON line,
-    kernel tokens equal to the reference's."""
+    kernel tokens equal to the reference's; its engine comparison (TensorRT against ONNX Runtime
+    on a GPU) run against a second ONNX Runtime build."""
     import json
     import subprocess
     import sys
@@ -119,11 +120,16 @@ def test_gpu_check_script_runs_small(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}
-    out = subprocess.run([sys.executable, str(root / "build_scripts/gpu_check.py"), "--small", "--repeat", "2"],
-                         capture_output=True, text=True, env=env, check=True, timeout=600)
+    out = subprocess.run([sys.executable, str(root / "build_scripts/gpu_check.py"), "--small", "--repeat", "2",
+                          "--compare-with", "onnxruntime", "--work", str(tmp_path)],
+                         capture_output=True, text=True, env=env, check=True, timeout=900)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert [k["tokens_equal"] for k in result["kernel"]] == [1.0, 1.0]
     assert result["verify_vs_decode"]["verify_tokens"] == 8 and result["verify_vs_decode"]["decode_ms"] > 0
+    engines = result["engines"]
+    assert engines["generation"] == {"prompts": 4, "identical": 4, "first_difference": None}
+    assert engines["graphs"]["step"]["next_block"] == {"differing": 0, "of": 2 * 8}  # batch 2, [anchor, 7 drafts]
+    assert set(engines["tokens_per_s"]) == {"onnxruntime"} and engines["tokens_per_s"]["onnxruntime"] > 0
 
 
 @pytest.mark.parametrize(("dtype", "seeded", "sampling", "tactic"),

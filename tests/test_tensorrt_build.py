@@ -86,3 +86,54 @@ def test_a_tensorrt_engine_without_tensorrt_is_a_clear_error(tiny_pair, tmp_path
     result = CliRunner().invoke(main, ["generate", "--engine", str(engine), "--input-ids", "5,6,7"])
     assert result.exit_code != 0
     assert "install dlite-trt[trt] on a machine with an NVIDIA GPU" in result.output
+
+
+@pytest.fixture(scope="module")
+def trt_and_ort_engines(tiny_pair, tmp_path_factory):
+    from dlite_trt.engine.build import BuildSettings, build_engine
+
+    out = tmp_path_factory.mktemp("trt")
+    limits = EngineLimits(max_batch=2, max_seq_len=128, max_chunk=32)
+    for backend in ("onnxruntime", "tensorrt"):
+        build_engine(*tiny_pair, out / backend, BuildSettings(backend=backend, limits=limits), progress=False)
+    return out
+
+
+@pytest.mark.tensorrt
+@pytest.mark.gpu
+@pytest.mark.skipif(not (_has_tensorrt() and torch.cuda.is_available()), reason="needs TensorRT and an NVIDIA GPU")
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["cuda-graphs", "eager"])
+def test_tensorrt_engine_decodes_the_target_greedy_output(trt_and_ort_engines, tiny_pair, cuda_graphs):
+    """The TensorRT runner behind the generator: transformers' greedy tokens exactly, the same
+    graph outputs as ONNX Runtime on the same inputs, and (with CUDA graphs) replayed steps."""
+    from helpers import hf_greedy
+
+    from dlite_trt.runtime.compare import compare_graphs
+    from dlite_trt.runtime.engine import open_engine
+    from dlite_trt.runtime.session import SamplingParams
+
+    trt_gen = open_engine(trt_and_ort_engines / "tensorrt", cuda_graphs=cuda_graphs)
+    ort_gen = open_engine(trt_and_ort_engines / "onnxruntime")
+    for prompt in ([5, 6, 7, 8, 9], [11, 12], list(range(20, 60))):
+        got = trt_gen.generate([prompt], SamplingParams(max_new_tokens=24)).output_ids[0]
+        assert got == hf_greedy(tiny_pair[0], prompt, 24)
+    report = compare_graphs(ort_gen, trt_gen, graphs=("prefill", "step", "decode"))
+    for graph, outputs in report.items():
+        for name, diff in outputs.items():
+            assert diff.get("differing", 0) == 0 and diff.get("max_abs_diff", 0.0) < 1e-3, (graph, name, diff)
+    if cuda_graphs:
+        assert trt_gen.runner.graphs.replays > 0 and not trt_gen.runner.graphs.failed
+
+
+@pytest.mark.tensorrt
+@pytest.mark.gpu
+@pytest.mark.skipif(not (_has_tensorrt() and torch.cuda.is_available()), reason="needs TensorRT and an NVIDIA GPU")
+def test_generate_cli_with_a_tensorrt_engine(trt_and_ort_engines):
+    import json
+
+    args = ["generate", "--input-ids", "5,6,7,8", "--max-new-tokens", "16", "--json"]
+    outputs = [CliRunner().invoke(main, [*args, "--engine", str(trt_and_ort_engines / b)])
+               for b in ("tensorrt", "onnxruntime")]
+    assert all(r.exit_code == 0 for r in outputs), [r.output for r in outputs]
+    trt, ort = (json.loads(r.output.strip().splitlines()[-1]) for r in outputs)
+    assert trt["output_ids"] == ort["output_ids"] and trt["acceptance_lengths"] == ort["acceptance_lengths"]
