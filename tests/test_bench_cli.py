@@ -83,6 +83,27 @@ def test_sweep_and_context_cost(run):
     assert "output tokens/s" in result.output and "batch sweep" in result.output
 
 
+def test_a_report_without_a_kernel_profile(run, tmp_path):
+    """A TensorRT engine's report has no ONNX Runtime kernel profile: the tables and plots still
+    render, and say why the kernel columns are empty."""
+    import copy
+    import io
+
+    from rich.console import Console
+
+    from dlite_trt.bench.report import goals, print_tables, write_plots
+
+    report = copy.deepcopy(run[2])
+    del report["context_cost"]["step_profile"]
+    report["context_cost"]["step_profile_skipped"] = "this is a tensorrt engine"
+    report["goals"] = goals(report)
+    assert "draft_time_flat" not in report["goals"]
+    buffer = io.StringIO()
+    print_tables(report, Console(file=buffer, width=200))
+    assert "kernels not profiled: this is a tensorrt engine" in buffer.getvalue()
+    assert [p.name for p in write_plots(report, tmp_path)] == ["speedup.png", "acceptance.png", "context_cost.png"]
+
+
 def test_plots_workloads_and_records_are_written(run, tiny_pair):
     out, _, report = run
     for name in ("speedup.png", "acceptance.png", "context_cost.png"):

@@ -3,6 +3,8 @@ request runner (batched greedy requests, stops, streaming) against target-only g
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers import hf_greedy
@@ -89,6 +91,10 @@ def test_config_comes_from_the_engine(engine):
     assert "model_transaction_policy { decoupled: true }" in stream and "dynamic_batching" not in stream
     with pytest.raises(DLiteError, match="above the engine's --max-batch 2"):
         render_config("dlite", manifest, instances=1, max_batch=3, decoupled=False)
+    gpu = render_config("dlite", dataclasses.replace(manifest, backend="tensorrt"), instances=2, max_batch=2,
+                        decoupled=False)  # a TensorRT engine's instances run on GPUs
+    cpu = render_config("dlite", manifest, instances=2, max_batch=2, decoupled=False)
+    assert "count: 2, kind: KIND_GPU" in gpu and gpu.replace("KIND_GPU", "KIND_CPU") == cpu
 
 
 def test_write_repository(engine, tmp_path):

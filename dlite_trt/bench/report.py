@@ -115,13 +115,15 @@ def print_tables(report: dict, console: Any) -> None:
                     "draft kernels", "verify kernels"):
             table.add_column(col, justify="right")
         for ctx, row in cost["step_vs_decode"].items():
-            call, prof = cost["call_times"][ctx], cost["step_profile"][ctx]
-            table.add_row(ctx, *(f"{v:.2f}" for v in (
+            call, prof = cost["call_times"][ctx], cost.get("step_profile", {}).get(ctx, {})
+            table.add_row(ctx, *(_fmt(v, ".2f") for v in (
                 row["speculative_step_ms"], row["decode_step_ms"], call["step_call_ms"], call["verify_call_ms"],
-                call["decode_call_ms"], prof["draft_ms"], prof["target_ms"])))
+                call["decode_call_ms"], prof.get("draft_ms"), prof.get("target_ms"))))
         console.print(table)
         console.print("DLite/decode step: whole steps with host work; calls: one engine call each (verify = a "
                       "decode call of K+1 tokens); kernels: ONNX Runtime's profiler on the unoptimized step graph.")
+        if cost.get("step_profile_skipped"):
+            console.print(f"kernels not profiled: {cost['step_profile_skipped']}")
     if cost["skipped"]:
         console.print(f"contexts not measured: {cost['skipped']} (past the engine's --max-seq-len)")
     for name, g in report["goals"].items():

@@ -140,8 +140,13 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
         cost["step_vs_decode"] = context_cost.step_vs_decode(engine, prompts, settings.context_steps,
                                                              settings.context_rounds, advance)
         cost["call_times"] = context_cost.call_times(engine, contexts, runs=settings.call_runs, progress=advance)
-        cost["step_profile"] = context_cost.step_profile(engine.runner.engine_dir, contexts,
-                                                         runs=settings.profile_runs, threads=threads, progress=advance)
+        if manifest.backend == "onnxruntime":  # ONNX Runtime's profiler on the step graph
+            cost["step_profile"] = context_cost.step_profile(engine.runner.engine_dir, contexts,
+                                                             runs=settings.profile_runs, threads=threads,
+                                                             progress=advance)
+        else:
+            cost["step_profile_skipped"] = (f"the kernel profile uses ONNX Runtime's profiler; this is a "
+                                            f"{manifest.backend} engine (profile it with nsys)")
     _draft_shares(report, contexts)
     report["machine"]["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report["goals"] = goals(report)

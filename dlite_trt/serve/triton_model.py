@@ -31,6 +31,10 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         engine_dir = Path(args["model_repository"]) / args["model_version"] / params["engine_dir"]
         threads = int(params.get("threads", "0")) or None
+        if args.get("model_instance_kind") == "GPU":  # a TensorRT engine: this instance's GPU
+            import torch
+
+            torch.cuda.set_device(int(args["model_instance_device_id"]))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.runner = RequestRunner(load_engine(engine_dir, threads=threads, preload=("prefill", "step")))
         manifest = self.runner.generator.manifest

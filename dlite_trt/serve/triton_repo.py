@@ -20,6 +20,7 @@ from dlite_trt.engine.manifest import Manifest, load_manifest
 from dlite_trt.errors import DLiteError
 from dlite_trt.serve.protocol import INPUTS, INPUTS_BY_NAME, OUTPUTS, TRITON_TYPES, ServeTensor
 
+INSTANCE_KINDS = {"onnxruntime": "KIND_CPU", "tensorrt": "KIND_GPU"}  # where an engine's instances run
 MODEL_NAME = "dlite"
 STREAM_MODEL_NAME = "dlite_stream"
 MODEL_PY = '''"""Triton Python-backend entry point: the model is dlite_trt.serve.triton_model."""
@@ -55,7 +56,7 @@ def render_config(name: str, manifest: Manifest, *, instances: int, max_batch: i
     lines = [f'name: "{name}"', 'backend: "python"', f"max_batch_size: {max_batch}",
              "input [\n" + ",\n".join(tensor(t, "input") for t in INPUTS) + "\n]",
              "output [\n" + ",\n".join(tensor(t, "output") for t in OUTPUTS) + "\n]",
-             f"instance_group [ {{ count: {instances}, kind: KIND_CPU }} ]"]
+             f"instance_group [ {{ count: {instances}, kind: {INSTANCE_KINDS[manifest.backend]} }} ]"]
     if decoupled:
         lines.append("model_transaction_policy { decoupled: true }")
     elif max_batch > 1:
@@ -69,8 +70,9 @@ def write_repository(engine_dir: Path, out: Path, *, instances: int = 1, max_bat
     """Write the repository (replacing ``out``); returns the model names."""
     engine_dir, out = Path(engine_dir), Path(out)
     manifest = load_manifest(engine_dir)
-    if manifest.backend != "onnxruntime":
-        raise DLiteError(f"{engine_dir} is a {manifest.backend} engine; this dlite-trt serves onnxruntime engines.")
+    if manifest.backend not in INSTANCE_KINDS:
+        raise DLiteError(f"{engine_dir} is a {manifest.backend} engine; this dlite-trt serves "
+                         f"{' and '.join(INSTANCE_KINDS)} engines.")
     if instances < 1:
         raise DLiteError(f"--instances must be >= 1, got {instances}.")
     max_batch = manifest.limits.max_batch if max_batch is None else max_batch
