@@ -166,3 +166,15 @@ def test_tensorrt_registration_needs_tensorrt():
             register()
     else:
         pytest.skip("TensorRT is installed: the registration runs in the tensorrt-marked tests")
+
+
+def test_the_plugin_is_installed_with_the_package(tmp_path):
+    """TensorRT engines need plugins/ wherever dlite-trt is installed, not only in a checkout:
+    it imports from outside the repository, with nothing added to the path."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    out = subprocess.run([sys.executable, "-c", "import plugins.lowrank_recurrence.trt_plugin as p; print(p.PLUGIN_ID)"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, check=True, timeout=120)
+    assert out.stdout.strip() == "dlite::LowRankRecurrence"

@@ -1,6 +1,7 @@
 """The LowRankRecurrence plugin for TensorRT, through ``tensorrt.plugin`` (quickly deployable
-plugins): output shapes, supported formats, and an ahead-of-time implementation (the Triton
-kernel compiled to PTX and embedded in the engine, so the engine runs without Python).
+plugins): output shapes, supported formats and tactics (``aot.TACTICS``, timed by TensorRT's
+autotuner), and an ahead-of-time implementation (the Triton kernel compiled to PTX for the
+chosen tactic and embedded in the engine, so the engine runs without Python).
 
 Its id ``dlite::LowRankRecurrence`` comes from ``export.recurrence`` (PLUGIN_NAMESPACE,
 PLUGIN_NAME), which the exporter's TensorRT lowering writes into the graph; TensorRT's ONNX
