@@ -1,6 +1,8 @@
 """A preallocated target KV cache written O(block) per step.
 
-Layout: k, v [L, B, kvH, capacity, D]. A forward reads a view of the first P entries and
+Layout: k, v [L, B, kvH, capacity, D]; with ``layer_align`` each layer's slice starts on that
+byte boundary (TensorRT takes tensor addresses aligned to 256 bytes), the layers padded apart
+in one allocation. A forward reads a view of the first P entries and
 returns only its new entries; ``write`` copies those into each sequence's slots. Entries past
 a sequence's valid length (rejected drafts, padding) are never read: the attention mask
 stops at ``past_len``, and the next write overwrites them.
@@ -14,10 +16,21 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", *, layer_align: int = 1) -> None:
+        self.layer_align = layer_align
         shape = (num_layers, batch, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = self._zeros(shape, dtype, device)
+        self.v = self._zeros(shape, dtype, device)
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A zeroed [L, B, kvH, cap, D] buffer whose layers start ``layer_align`` bytes apart (or more)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        layer = shape[1] * shape[2] * shape[3] * shape[4]
+        per_align = max(1, self.layer_align // size)
+        stride = -(-layer // per_align) * per_align
+        flat = torch.zeros(shape[0] * stride + per_align - 1, dtype=dtype, device=device)
+        offset = (-flat.data_ptr() // size) % per_align  # the first layer on the boundary too
+        return flat.as_strided(shape, (stride, *torch.empty(shape[1:], device="meta").stride()), offset)
 
     @property
     def capacity(self) -> int:
@@ -37,7 +50,7 @@ class KVCache:
             new_cap = max(needed, min(new_cap, max_capacity))
         for name in ("k", "v"):
             old = getattr(self, name)
-            grown = old.new_zeros(*old.shape[:3], new_cap, old.shape[4])
+            grown = self._zeros((*old.shape[:3], new_cap, old.shape[4]), old.dtype, old.device)
             grown[:, :, :, : old.shape[3]] = old
             setattr(self, name, grown)
 

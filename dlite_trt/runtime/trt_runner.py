@@ -30,6 +30,7 @@ from dlite_trt.runtime.cuda_graphs import CallGraphs
 from dlite_trt.runtime.kv_cache import KVCache
 from dlite_trt.runtime.runner import RunnerBase
 
+TENSOR_ALIGNMENT = 256  # bytes: IExecutionContext.set_tensor_address takes addresses aligned to this
 GRAPHED_CALLS = frozenset({"step", "step_sampling", "decode"})  # calls that repeat with the same shapes
 
 
@@ -83,7 +84,7 @@ class TrtRunner(RunnerBase):
     def new_cache(self, batch: int) -> KVCache:
         spec = self.manifest.target_spec
         return KVCache(spec.num_hidden_layers, batch, spec.num_key_value_heads, spec.head_dim, capacity=0,
-                       dtype=TORCH[self.manifest.dtype], device="cuda")
+                       dtype=TORCH[self.manifest.dtype], device="cuda", layer_align=TENSOR_ALIGNMENT)
 
     def infer(self, graph: str, feeds: Mapping[str, Any], cache: KVCache) -> dict[str, Any]:
         import numpy as np
