@@ -51,7 +51,7 @@ from dlite_trt.export.recurrence import (
     PLUGIN_NAMESPACE,
     PLUGIN_VERSION,
     TRT_ATTRIBUTES,
-    TRT_WORKSPACE,
+    TRT_EXTRA_OUTPUTS,
 )
 from dlite_trt.model.sequential_head import HeadWeights
 from dlite_trt.model.target import TargetAdapter
@@ -358,8 +358,8 @@ def test_tensorrt_lowering(engine: Engine, graph: str) -> None:
     assert attrs["plugin_version"].decode() == PLUGIN_VERSION
     assert set(attrs) == {*ATTRIBUTES, *TRT_ATTRIBUTES, "plugin_namespace", "plugin_version"}
     assert attrs["rank"] == engine.draft.cfg.sequential_rank
-    _check_recurrence_wiring(model, node, engine, (*OUTPUT_NAMES, TRT_WORKSPACE))
-    assert node.output[2] not in {o.name for o in model.graph.output}  # the kernel's own scratch
+    _check_recurrence_wiring(model, node, engine, (*OUTPUT_NAMES, *TRT_EXTRA_OUTPUTS))
+    assert not set(node.output[2:]) & {o.name for o in model.graph.output}  # the kernel's own scratch and slots
     assert not model.functions
     assert DOMAIN not in {o.domain for o in model.opset_import}
     assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)

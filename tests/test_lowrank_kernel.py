@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel module is imported
 pytest.importorskip("triton", reason="needs OpenAI Triton (pip install triton)")
 
+from dlite_trt.export.recurrence import TRT_ABI_SLOTS  # noqa: E402
 from dlite_trt.model.sequential_head import SequentialHead, recurrence  # noqa: E402
 from plugins.lowrank_recurrence.aot import BLOCK_V, DEFAULT_TACTIC, TACTICS  # noqa: E402
 from plugins.lowrank_recurrence.launch import lowrank_recurrence  # noqa: E402
@@ -144,7 +145,7 @@ def test_ahead_of_time_compiles_to_ptx_without_a_gpu(dtype, seeded, sampling, ta
 
     code = ("import json; from plugins.lowrank_recurrence.aot import compile_kernel; "
             f"k = compile_kernel({dtype!r}, rank=256, seeded={seeded}, sampling={sampling}, tactic={tactic}, "
-            "capability=(9, 0)); "
+            "capability=(9, 0), ptx_version=84); "
             "print(json.dumps({'name': k.metadata.name, 'warps': k.metadata.num_warps, 'ptx': k.asm['ptx']}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
@@ -152,6 +153,47 @@ def test_ahead_of_time_compiles_to_ptx_without_a_gpu(dtype, seeded, sampling, ta
     kernel = json.loads(out.stdout.strip().splitlines()[-1])
     assert f".entry {kernel['name']}" in kernel["ptx"] and ".target sm_90" in kernel["ptx"]
     assert kernel["warps"] == TACTICS[tactic][1]
+    assert ".version 8.4" in kernel["ptx"]  # a PTX ISA an older driver loads, not the bundled ptxas's newest
+    from plugins.lowrank_recurrence.aot import (
+        KERNEL_INPUTS,
+        KERNEL_OUTPUTS,
+        KERNEL_SCALARS,
+        entry_parameters,
+    )
+
+    declared = len(KERNEL_INPUTS) + len(KERNEL_SCALARS) + len(KERNEL_OUTPUTS)
+    assert declared <= entry_parameters(kernel["ptx"]) <= declared + len(TRT_ABI_SLOTS)  # compile_kernel checked
+
+
+def test_the_launch_abi_check_refuses_what_tensorrt_cannot_launch():
+    """TensorRT passes one pointer per plugin output: more hidden Triton parameters than the
+    plugin's ABI slots, or a kernel that needs scratch memory, must stop the build."""
+    from types import SimpleNamespace
+
+    from plugins.lowrank_recurrence.aot import check_launch_abi
+
+    def kernel(params: int, **metadata):
+        ptx = ".version 8.4\n.entry k(" + ", ".join(f".param .u64 p{i}" for i in range(params)) + ")\n{ ret; }"
+        return SimpleNamespace(asm={"ptx": ptx}, metadata=SimpleNamespace(**metadata))
+
+    check_launch_abi(kernel(18))
+    check_launch_abi(kernel(20, global_scratch_size=0, profile_scratch_size=0))
+    with pytest.raises(RuntimeError, match="3 hidden parameters"):
+        check_launch_abi(kernel(21))
+    with pytest.raises(RuntimeError, match="global_scratch_size = 64"):
+        check_launch_abi(kernel(20, global_scratch_size=64))
+
+
+def test_plugin_annotations_are_types_for_tensorrt():
+    """tensorrt.plugin validates the registered functions' annotations as types: a postponed
+    annotations import (strings) would break registration on every TensorRT machine."""
+    import ast
+    from pathlib import Path
+
+    source = Path(__file__).resolve().parents[1] / "plugins/lowrank_recurrence/trt_plugin.py"
+    futures = [a.name for node in ast.walk(ast.parse(source.read_text())) if isinstance(node, ast.ImportFrom)
+               and node.module == "__future__" for a in node.names]
+    assert "annotations" not in futures
 
 
 def test_tensorrt_registration_needs_tensorrt():
@@ -175,6 +217,7 @@ def test_the_plugin_is_installed_with_the_package(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    out = subprocess.run([sys.executable, "-c", "import plugins.lowrank_recurrence.trt_plugin as p; print(p.PLUGIN_ID)"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, check=True, timeout=120)
+    code = "import plugins.lowrank_recurrence.trt_plugin as p; print(p.PLUGIN_ID)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         check=True, timeout=120)
     assert out.stdout.strip() == "dlite::LowRankRecurrence"

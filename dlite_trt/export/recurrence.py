@@ -46,10 +46,15 @@ OPSET = 18  # the standard-op opset of every engine graph and of the function bo
 INPUT_NAMES = ("draft_hidden", "anchor", "seed_prev", "temperature", "uniforms", *HeadWeights._fields)
 OUTPUT_NAMES = ("tokens", "logits")
 ATTRIBUTES = ("num_steps", "seeded", "sampling")
-# The TensorRT plugin node also carries the head's rank (its kernel is compiled for it) and a
-# third output, the kernel's per-sequence workspace [B, 2, r] fp32 (state and latent).
+# The TensorRT plugin node also carries the head's rank (its kernel is compiled for it) and
+# three more outputs: the kernel's per-sequence workspace [B, 2, r] fp32 (state and latent), and
+# two one-byte slots for the pointers OpenAI Triton appends to every kernel's parameters (its
+# global and profile scratch, unused by this kernel): TensorRT launches an ahead-of-time kernel
+# with one pointer per plugin output, so each slot makes it pass the pointer the kernel expects.
 TRT_ATTRIBUTES = ("rank",)
 TRT_WORKSPACE = "workspace"
+TRT_ABI_SLOTS = ("triton_global_scratch", "triton_profile_scratch")
+TRT_EXTRA_OUTPUTS = (TRT_WORKSPACE, *TRT_ABI_SLOTS)
 
 
 class _RecurrenceOp(torch.autograd.Function):
@@ -173,7 +178,7 @@ def lower_for_tensorrt(model: onnx.ModelProto) -> None:
         node.attribute.extend([onnx.helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
                                onnx.helper.make_attribute("plugin_version", PLUGIN_VERSION),
                                onnx.helper.make_attribute("rank", int(embedding.dims[1]))])
-        node.output.append(f"{node.output[0]}_{TRT_WORKSPACE}")
+        node.output.extend(f"{node.output[0]}_{name}" for name in TRT_EXTRA_OUTPUTS)
     del model.functions[:]
     keep = [op for op in model.opset_import if op.domain != DOMAIN]
     del model.opset_import[:]

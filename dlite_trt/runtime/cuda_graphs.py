@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from dlite_trt.errors import EngineError
+
 log = logging.getLogger(__name__)
 
 
@@ -77,7 +79,7 @@ class CallGraphs:
         result = _copies(outputs)
         try:
             graph = self._capture(execute)
-        except RuntimeError as exc:  # torch raises RuntimeError for CUDA capture errors
+        except (RuntimeError, EngineError) as exc:  # torch's CUDA capture errors; a failed enqueue
             self.failed[name] = str(exc)
             log.warning("capturing the %s call in a CUDA graph failed (%s); it runs without one", name, exc)
             return result

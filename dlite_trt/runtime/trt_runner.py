@@ -48,6 +48,7 @@ class TrtRunner(RunnerBase):
         self.contexts: dict[str, Any] = {}
         self.engine_seconds = 0.0
         self.graphs = CallGraphs() if cuda_graphs else None
+        self._stream: Any = None  # the runner's own CUDA stream (not the legacy default stream)
 
     def _load(self, name: str) -> Any:
         return self._context(name)
@@ -99,7 +100,10 @@ class TrtRunner(RunnerBase):
                 value = feeds[t.name]
                 if isinstance(value, np.ndarray):
                     value = torch.from_numpy(np.ascontiguousarray(value, dtype=t.dtype))
-                inputs[t.name] = value.to("cuda").contiguous()
+                value = value.to("cuda").contiguous()
+                if value.data_ptr() % TENSOR_ALIGNMENT:  # a view into a larger buffer
+                    value = value.clone()
+                inputs[t.name] = value
 
         def bind(values: Mapping[str, Any]) -> dict[str, Any]:
             for t in spec.inputs:
@@ -120,24 +124,28 @@ class TrtRunner(RunnerBase):
             if not context.execute_async_v3(torch.cuda.current_stream().cuda_stream):
                 raise EngineError(f"TensorRT failed to run the {graph} graph of {self.engine_dir}.")
 
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
         started = time.perf_counter()
-        if self.graphs is not None and graph in GRAPHED_CALLS:
-            key = (tuple((n, tuple(v.shape), v.dtype) for n, v in inputs.items()), cache.k.data_ptr(),
-                   cache.v.data_ptr(), tuple(cache.k.shape))
-            outputs = self.graphs.run(graph, key, inputs, bind, execute)
-        else:
-            outputs = bind(inputs)
-            execute()
-        torch.cuda.current_stream().synchronize()
+        self._stream.wait_stream(torch.cuda.current_stream())  # the inputs' copies
+        with torch.cuda.stream(self._stream):
+            if self.graphs is not None and graph in GRAPHED_CALLS:
+                key = (tuple((n, tuple(v.shape), v.dtype) for n, v in inputs.items()), cache.k.data_ptr(),
+                       cache.v.data_ptr(), tuple(cache.k.shape))
+                outputs = self.graphs.run(graph, key, inputs, bind, execute)
+            else:
+                outputs = bind(inputs)
+                execute()
+        self._stream.synchronize()  # the caller reads the outputs on any stream
         self.engine_seconds += time.perf_counter() - started
         return {t.name: outputs[t.name] for t in spec.outputs}
 
 
 def _extra_outputs(names: list[str], spec: Any) -> list[str]:
     """Plugin outputs TensorRT exposes besides the contract's (the recurrence kernel's workspace)."""
-    from dlite_trt.export.recurrence import TRT_WORKSPACE
+    from dlite_trt.export.recurrence import TRT_EXTRA_OUTPUTS
 
-    return [n for n in names if n.endswith(f"_{TRT_WORKSPACE}") and n not in spec.output_names]
+    return [n for n in names if n.endswith(tuple(f"_{e}" for e in TRT_EXTRA_OUTPUTS)) and n not in spec.output_names]
 
 
 def _trt() -> Any:

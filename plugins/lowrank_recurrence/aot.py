@@ -4,9 +4,10 @@ CUDA architecture with the ptxas it ships."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from dlite_trt.export.recurrence import INPUT_NAMES
+from dlite_trt.export.recurrence import INPUT_NAMES, TRT_ABI_SLOTS
 from dlite_trt.runtime.sampling import GREEDY_EPS
 
 KERNEL_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -47,10 +48,53 @@ def signature(model_dtype: str) -> dict[str, str]:
                                                             "scratch_ptr": "*fp32"}
 
 
+def entry_parameters(ptx: str) -> int:
+    """How many parameters the PTX's kernel entry declares."""
+    entry = re.search(r"\.entry\s+[\w$]+\s*\(([^)]*)\)", ptx)
+    if entry is None:
+        raise ValueError("the PTX has no kernel entry")
+    return entry.group(1).count(".param")
+
+
+def check_launch_abi(kernel: Any) -> None:
+    """TensorRT launches the kernel with one argument per plugin input, scalar and output. OpenAI
+    Triton appends hidden scratch pointers to the parameters (two in Triton 3.x); the plugin's
+    ABI slot outputs cover up to ``len(TRT_ABI_SLOTS)`` of them, and the kernel must need no
+    scratch memory (nothing allocates it)."""
+    declared = len(KERNEL_INPUTS) + len(KERNEL_SCALARS) + len(KERNEL_OUTPUTS)
+    hidden = entry_parameters(kernel.asm["ptx"]) - declared
+    if not 0 <= hidden <= len(TRT_ABI_SLOTS):
+        raise RuntimeError(f"this OpenAI Triton version gives the kernel {hidden} hidden parameters; the TensorRT "
+                           f"plugin passes {len(TRT_ABI_SLOTS)} (install the Triton version of dlite-trt[trt])")
+    for what in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(kernel.metadata, what, 0):
+            raise RuntimeError(f"the kernel needs {what} = {getattr(kernel.metadata, what)} bytes, which TensorRT "
+                               "does not allocate for it")
+
+
+def driver_ptx_version() -> int | None:
+    """The newest PTX ISA the installed CUDA driver can load (None without a driver): Triton's
+    bundled ptxas may be newer than the driver, and a plan's PTX is JIT-compiled by the driver."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int()
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    from triton.backends.nvidia.compiler import ptx_get_version
+
+    return ptx_get_version(f"{version.value // 1000}.{version.value % 1000 // 10}")
+
+
 def compile_kernel(model_dtype: str, *, rank: int, seeded: bool, sampling: bool, tactic: int = DEFAULT_TACTIC,
-                   capability: tuple[int, int] | None = None) -> Any:
+                   capability: tuple[int, int] | None = None, ptx_version: int | None = None) -> Any:
     """Compile ``tactic`` for ``capability`` (default: the current GPU's) -> Triton's compiled kernel:
-    ``.metadata.name``, ``.asm["ptx"]``, ``.metadata.num_warps``, ``.metadata.shared``."""
+    ``.metadata.name``, ``.asm["ptx"]``, ``.metadata.num_warps``, ``.metadata.shared``. The PTX ISA
+    version is ``ptx_version``, else the installed driver's newest, else Triton's default; the
+    launch ABI is checked (``check_launch_abi``)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -64,5 +108,10 @@ def compile_kernel(model_dtype: str, *, rank: int, seeded: bool, sampling: bool,
     sig = signature(model_dtype) | dict.fromkeys(consts, "constexpr")
     src = triton.compiler.ASTSource(fn=kernel, signature={name: sig[name] for name in kernel.arg_names},
                                     constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
-                          options={"num_warps": TACTICS[tactic][1]})
+    options: dict[str, Any] = {"num_warps": TACTICS[tactic][1]}
+    ptx_version = ptx_version or driver_ptx_version()
+    if ptx_version:
+        options["ptx_version"] = ptx_version
+    kernel = triton.compile(src, target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32), options=options)
+    check_launch_abi(kernel)
+    return kernel
