@@ -124,24 +124,25 @@ def engine_check(work: Path, other: str, max_new_tokens: int) -> dict:
 
     target, draft = bundled_pair()
     limits = EngineLimits(max_batch=4, max_seq_len=512, max_chunk=128)
-    dirs = {"onnxruntime": work / "onnxruntime", other: work / other}
+    name = other if other != "onnxruntime" else "onnxruntime (second build)"
+    dirs = {"onnxruntime": (work / "onnxruntime", "onnxruntime"), name: (work / "candidate", other)}
     built = {}
-    for backend, out in dirs.items():
+    for key, (out, backend) in dirs.items():
         start = time.perf_counter()
         build_engine(target, draft, out, BuildSettings(backend=backend, limits=limits), progress=False)
-        built[backend] = time.perf_counter() - start
+        built[key] = time.perf_counter() - start
     tokenizer = AutoTokenizer.from_pretrained(target)
     texts = ["def parse_args(argv):", "class LRUCache:\n    def __init__(self, capacity):",
              "import os\nimport sys\n\n\ndef main():", "    for i, line in enumerate(lines):"]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
-    ort, candidate = open_engine(dirs["onnxruntime"]), open_engine(dirs[other])
+    ort, candidate = open_engine(dirs["onnxruntime"][0]), open_engine(dirs[name][0])
     result = {"compared": f"{other} fp32 against onnxruntime fp32", "build_s": built,
               "graphs": compare_graphs(ort, candidate),
               "generation": compare_generation(ort, candidate, prompts, max_new_tokens)}
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    engines = {"onnxruntime": ort, other: candidate}
+    engines = {"onnxruntime": ort, name: candidate}
     if other == "tensorrt":
-        engines["tensorrt_without_cuda_graphs"] = open_engine(dirs[other], cuda_graphs=False)
+        engines["tensorrt_without_cuda_graphs"] = open_engine(dirs[name][0], cuda_graphs=False)
     tokens_per_s = {}
     for name, gen in engines.items():
         gen.generate([prompts[0]], params)  # warm-up (and, for TensorRT, the CUDA graph capture)
@@ -193,7 +194,13 @@ def main(small: bool, repeat: int, context: int, compare_with: str, work: Path |
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            result["engines"] = engine_check(work or Path(tmp), compare_with, 32 if small else 64)
+            try:
+                result["engines"] = engine_check(work or Path(tmp), compare_with, 32 if small else 64)
+            except Exception as exc:  # keep what was measured above (a GPU run is scarce); the trace goes to stderr
+                import traceback
+
+                traceback.print_exc()
+                result["engines"] = {"error": f"{type(exc).__name__}: {exc}"}
     result["seconds"] = time.perf_counter() - started
     click.echo(json.dumps(result))
 

@@ -46,6 +46,25 @@ def test_fp16_against_fp32_differs_by_rounding(engines):
     assert 0.0 < pivot["mean_abs_diff"] <= pivot["max_abs_diff"]
 
 
+def test_the_random_cache_reaches_the_graphs(engines):
+    """The comparison's KV cache is part of its inputs: other cache contents give other outputs
+    (so two engines that read their cache differently cannot compare equal)."""
+    import numpy as np
+
+    from dlite_trt.export.contract import dummy_inputs, kv_input
+    from dlite_trt.runtime.compare import _run, graph_sizes
+
+    gen = open_engine(engines / "fp32", preload=())
+    sizes = graph_sizes(gen, gen)
+    feeds = dummy_inputs(gen.manifest.contract["prefill"], sizes, vocab_size=gen.manifest.target_spec.vocab_size,
+                         rng=np.random.default_rng(0))
+    assert feeds["past_len"].max() > 0  # a row attends to cached entries
+    other = {n: (2.0 * v if kv_input(n) else v) for n, v in feeds.items()}
+    first, second = _run(gen, "prefill", feeds, sizes), _run(gen, "prefill", other, sizes)
+    assert np.array_equal(first["new_key"][0], second["new_key"][0])  # layer 0's keys: the tokens alone
+    assert not np.allclose(first["pivot_hidden"], second["pivot_hidden"])  # attention read the cache
+
+
 def test_engines_of_different_models_are_refused(engines):
     a, b = open_engine(engines / "fp32", preload=()), open_engine(engines / "fp16", preload=())
     b.manifest = dataclasses.replace(b.manifest, draft_sha256="0" * 64)

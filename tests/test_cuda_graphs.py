@@ -78,9 +78,10 @@ def test_feeds_are_copied_into_the_graph_and_not_aliased():
     x = torch.ones(3)
     _call(graphs, engine, x)
     _call(graphs, engine, x)  # captured on a copy of x
-    x.fill_(5.0)  # the caller reuses its array
+    x.fill_(5.0)  # the caller reuses its array: the graph must not see it
     assert _call(graphs, engine, torch.full((3,), 7.0)).tolist() == [14.0] * 3
     assert graphs.replays == 1
+    assert x.tolist() == [5.0] * 3  # and a replay must not write into the caller's tensor
 
 
 def test_a_new_key_drops_the_graph_and_runs_eagerly():

@@ -130,7 +130,9 @@ def test_gpu_check_script_runs_small(tmp_path):
     engines = result["engines"]
     assert engines["generation"] == {"prompts": 4, "identical": 4, "first_difference": None}
     assert engines["graphs"]["step"]["next_block"] == {"differing": 0, "of": 2 * 8}  # batch 2, [anchor, 7 drafts]
-    assert set(engines["tokens_per_s"]) == {"onnxruntime"} and engines["tokens_per_s"]["onnxruntime"] > 0
+    assert engines["compared"] == "onnxruntime fp32 against onnxruntime fp32"
+    assert set(engines["build_s"]) == set(engines["tokens_per_s"]) == {"onnxruntime", "onnxruntime (second build)"}
+    assert all(v > 0 for v in engines["tokens_per_s"].values())
 
 
 @pytest.mark.parametrize(("dtype", "seeded", "sampling", "tactic"),

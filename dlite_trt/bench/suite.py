@@ -134,13 +134,14 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
     if contexts:
         prompts = {c: held_out_ids(loaded.tokenizer, c) for c in contexts}
         bursts = max(1, settings.call_runs // 10)
+        profiled = manifest.backend == "onnxruntime"  # ONNX Runtime's profiler on the step graph
         advance = phase("step cost vs context",
-                        (settings.context_rounds + 1) * len(contexts) + bursts + len(contexts))
+                        (settings.context_rounds + 1) * len(contexts) + bursts + len(contexts) * profiled)
         cost = report["context_cost"]
         cost["step_vs_decode"] = context_cost.step_vs_decode(engine, prompts, settings.context_steps,
                                                              settings.context_rounds, advance)
         cost["call_times"] = context_cost.call_times(engine, contexts, runs=settings.call_runs, progress=advance)
-        if manifest.backend == "onnxruntime":  # ONNX Runtime's profiler on the step graph
+        if profiled:
             cost["step_profile"] = context_cost.step_profile(engine.runner.engine_dir, contexts,
                                                              runs=settings.profile_runs, threads=threads,
                                                              progress=advance)

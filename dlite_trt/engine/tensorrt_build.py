@@ -59,6 +59,7 @@ def build_plan(onnx_path: Path, plan_path: Path, graph: GraphSpec, *, workspace_
         raise EngineError(f"TensorRT's ONNX parser rejected {onnx_path.name}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * (1 << 30)))
+    config.clear_flag(trt.BuilderFlag.TF32)  # fp32 means fp32 (TF32 is on by default): parity with ONNX Runtime
     profile = builder.create_optimization_profile()
     for name, (lo, opt, hi) in profile_shapes(graph).items():
         profile.set_shape(name, lo, opt, hi)

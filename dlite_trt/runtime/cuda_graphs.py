@@ -8,6 +8,11 @@ replays the graph from then on. A replay copies the feeds into the graph's stati
 results out of its static outputs, so a caller may keep a step's outputs while the next step runs
 (the generator reads the previous block after the next call). A key that changes drops the graph.
 
+One graph per call (per TensorRT execution context), not one per key: TensorRT applies
+shape-dependent updates on the first enqueue after a shape change, outside any graph, so a
+graph stays valid only while its context keeps the shapes it was captured with; any other key
+runs eagerly on that context and drops the graph.
+
 Where a capture fails (an engine TensorRT cannot capture, such as one with data-dependent
 shapes), the graph runs eagerly from then on and the reason is kept in ``failed``.
 """
@@ -90,6 +95,7 @@ class CallGraphs:
     def clear(self) -> None:
         self._seen.clear()
         self._graphs.clear()
+        self.failed.clear()
 
 
 def _copies(outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -75,7 +75,7 @@ class TrtRunner(RunnerBase):
                               "Rebuild it with `dlite-trt build --backend tensorrt` on this machine.")
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         spec = self.contract[name]
-        if sorted(names) != sorted(spec.input_names + spec.output_names + _extra_outputs(names, spec)):
+        if sorted(names) != sorted(spec.input_names + spec.output_names):
             raise EngineError(f"{path} has tensors {names}, the manifest's contract {spec.input_names} -> "
                               f"{spec.output_names}; the engine is inconsistent. Rebuild it.")
         self.engines[name] = engine
@@ -100,7 +100,7 @@ class TrtRunner(RunnerBase):
                 value = feeds[t.name]
                 if isinstance(value, np.ndarray):
                     value = torch.from_numpy(np.ascontiguousarray(value, dtype=t.dtype))
-                value = value.to("cuda").contiguous()
+                value = value.to("cuda", dtype=getattr(torch, t.dtype)).contiguous()
                 if value.data_ptr() % TENSOR_ALIGNMENT:  # a view into a larger buffer
                     value = value.clone()
                 inputs[t.name] = value
@@ -109,8 +109,14 @@ class TrtRunner(RunnerBase):
             for t in spec.inputs:
                 kv = kv_input(t.name)
                 value = values[t.name] if kv is None else (cache.k if kv[0] == "key" else cache.v)[kv[1]]
-                context.set_input_shape(t.name, tuple(value.shape))  # the cache: [B, kvH, cap, D], in place
-                context.set_tensor_address(t.name, value.data_ptr())
+                shape = tuple(value.shape)  # the cache: [B, kvH, cap, D], in place
+                if not context.set_input_shape(t.name, shape):
+                    lo, _, hi = spec.profile(t.name)
+                    raise EngineError(f"{graph}: TensorRT refused {t.name} of shape {shape} (the engine takes "
+                                      f"{lo} to {hi}; a batch or length past the build's limits?)")
+                if not context.set_tensor_address(t.name, value.data_ptr()):
+                    raise EngineError(f"{graph}: TensorRT refused the address of {t.name} "
+                                      f"({value.data_ptr():#x}; it needs {TENSOR_ALIGNMENT}-byte alignment)")
             outputs = {}
             for i in range(engine.num_io_tensors):
                 name = engine.get_tensor_name(i)
@@ -130,8 +136,8 @@ class TrtRunner(RunnerBase):
         self._stream.wait_stream(torch.cuda.current_stream())  # the inputs' copies
         with torch.cuda.stream(self._stream):
             if self.graphs is not None and graph in GRAPHED_CALLS:
-                key = (tuple((n, tuple(v.shape), v.dtype) for n, v in inputs.items()), cache.k.data_ptr(),
-                       cache.v.data_ptr(), tuple(cache.k.shape))
+                key = (tuple((n, tuple(v.shape), v.dtype) for n, v in inputs.items()),
+                       *((buf.data_ptr(), tuple(buf.shape), buf.stride(), buf.dtype) for buf in (cache.k, cache.v)))
                 outputs = self.graphs.run(graph, key, inputs, bind, execute)
             else:
                 outputs = bind(inputs)
@@ -139,13 +145,6 @@ class TrtRunner(RunnerBase):
         self._stream.synchronize()  # the caller reads the outputs on any stream
         self.engine_seconds += time.perf_counter() - started
         return {t.name: outputs[t.name] for t in spec.outputs}
-
-
-def _extra_outputs(names: list[str], spec: Any) -> list[str]:
-    """Plugin outputs TensorRT exposes besides the contract's (the recurrence kernel's workspace)."""
-    from dlite_trt.export.recurrence import TRT_EXTRA_OUTPUTS
-
-    return [n for n in names if n.endswith(tuple(f"_{e}" for e in TRT_EXTRA_OUTPUTS)) and n not in spec.output_names]
 
 
 def _trt() -> Any:
