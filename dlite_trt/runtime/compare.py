@@ -67,7 +67,8 @@ def compare_generation(a: Any, b: Any, prompts: Sequence[Sequence[int]], max_new
         if ta == tb:
             equal += 1
         elif first_difference is None:
-            at = next((j for j, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
+            at = next((j for j, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y),  # lengths may differ
+                      min(len(ta), len(tb)))
             first_difference = {"prompt": i, "token": at}
     return {"prompts": len(prompts), "identical": equal, "first_difference": first_difference}
 

@@ -7,9 +7,10 @@ runtime stores only the accepted entries (O(block) per step). Host inputs (numpy
 the GPU; outputs come back as CUDA tensors, so ``next_block`` and ``next_draft_logits`` feed the
 next step without a host round trip, and the generator reads the few small ones it needs.
 
-The step (and the one-token decode) repeats with the same shapes and cache addresses from one
-call to the next, so it runs as a CUDA graph (``runtime.cuda_graphs.CallGraphs``): eager the first
-time, captured the second, replayed after that; ``cuda_graphs=False`` turns this off.
+The step (and decode) calls repeat with the same shapes and cache buffers from one call to the
+next, so they run as CUDA graphs (``runtime.cuda_graphs.CallGraphs``): eager on a new key,
+captured on its second call, replayed after that; ``cuda_graphs=False`` turns this off. Calls run
+on the runner's own stream, ordered after the caller's work and synchronized before returning.
 
 Written against the TensorRT 10 Python API; it has never run (no TensorRT or GPU where it was
 written).
