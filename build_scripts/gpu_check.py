@@ -144,11 +144,11 @@ def engine_check(work: Path, other: str, max_new_tokens: int) -> dict:
     if other == "tensorrt":
         engines["tensorrt_without_cuda_graphs"] = open_engine(dirs[name][0], cuda_graphs=False)
     tokens_per_s = {}
-    for name, gen in engines.items():
+    for label, gen in engines.items():
         gen.generate([prompts[0]], params)  # warm-up (and, for TensorRT, the CUDA graph capture)
         start = time.perf_counter()
         produced = sum(len(gen.generate([p], params).output_ids[0]) for p in prompts)
-        tokens_per_s[name] = produced / (time.perf_counter() - start)
+        tokens_per_s[label] = produced / (time.perf_counter() - start)
     result["tokens_per_s"] = tokens_per_s
     graphs = getattr(candidate.runner, "graphs", None)
     if graphs is not None:
