@@ -139,7 +139,7 @@ def test_malformed_dataset_and_options(engine, tmp_path):
     result = _bench("--engine", str(engine), "--workloads", "", "--dataset", str(bad), "--out", str(tmp_path / "o"))
     assert result.exit_code != 0 and "bad.jsonl:1" in result.output and "output_tokens" in result.output
     result = _bench("--engine", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o"))
-    assert result.exit_code == 2 and "not an engine directory" in result.output
+    assert result.exit_code == 1 and "not an engine directory" in result.output  # as in every command
     result = _bench("--engine", str(engine), "--methods", "ar,eagle")
     assert result.exit_code == 2 and "eagle" in result.output
     result = _bench("--engine", str(engine), "--batch-sizes", "1,x")

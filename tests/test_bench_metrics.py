@@ -15,29 +15,31 @@ def _clock(times):
 
 
 def _scripted_speculative():
-    """Batch 1, K = 3: prefill (1 token), then steps accepting 2, 0 and 3 drafts."""
+    """Batch 1, K = 3: prefill (1 token), then steps accepting 2, 0 and 3 drafts, and a last
+    step that accepted 3 but kept 2 (the output ended inside it: its drafts 7, 8)."""
     yield StepEvent(((5,),), None)
-    yield StepEvent(((6, 7, 8),), StepRecord(((6, 7, 1),), (2,)))
-    yield StepEvent(((9,),), StepRecord(((4, 4, 4),), (0,)))
-    yield StepEvent(((1, 2, 3, 4),), StepRecord(((1, 2, 3),), (3,)))
+    yield StepEvent(((6, 7, 8),), StepRecord(((6, 7, 1),), (2,), (3,)))
+    yield StepEvent(((9,),), StepRecord(((4, 4, 4),), (0,), (1,)))
+    yield StepEvent(((1, 2, 3, 4),), StepRecord(((1, 2, 3),), (3,), (4,)))
+    yield StepEvent(((7, 8),), StepRecord(((7, 8, 9),), (3,), (2,)))
 
 
 def test_measure_a_scripted_speculative_request():
     record = measure(_scripted_speculative(), RequestRecord("w", "dlite", "t", 0, 1, 10),
-                     clock=_clock([0.0, 1.0, 1.5, 1.75, 2.25, 2.5]))
-    assert record.output_ids == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
-    assert record.output_tokens == 9
-    assert record.step_tokens == [3, 1, 4]
-    assert (record.proposed, record.accepted) == (9, 5)
-    assert record.ttft_s == 1.0 and record.total_s == 2.5
-    assert record.tpot_s == 1.5 / 8
+                     clock=_clock([0.0, 1.0, 1.5, 1.75, 2.25, 2.5, 3.0]))
+    assert record.output_ids == [[5, 6, 7, 8, 9, 1, 2, 3, 4, 7, 8]]
+    assert record.output_tokens == 11
+    assert record.step_tokens == [3, 1, 4, 2]  # kept tokens: with the prefill's, the output length
+    assert (record.proposed, record.accepted) == (12, 7)  # the cut step's 2 kept drafts, not its 3 accepted
+    assert record.ttft_s == 1.0 and record.total_s == 3.0
+    assert record.tpot_s == 2.0 / 10
 
     s = summarize([record], max_step_tokens=4)
-    assert s["mean_acceptance_length"] == 8 / 3
-    assert s["acceptance_histogram"] == {"1": 1, "2": 0, "3": 1, "4": 1}
-    assert s["acceptance_rate"] == 5 / 9
-    assert s["tokens_per_second"] == 9 / 2.5
-    assert s["steps"] == 3
+    assert s["mean_acceptance_length"] == 10 / 4
+    assert s["acceptance_histogram"] == {"1": 1, "2": 1, "3": 1, "4": 1}
+    assert s["acceptance_rate"] == 7 / 12
+    assert s["tokens_per_second"] == 11 / 3.0
+    assert s["steps"] == 4
 
 
 def test_target_only_and_finished_rows():
@@ -45,7 +47,7 @@ def test_target_only_and_finished_rows():
     def events():
         yield StepEvent(((1,), (2,)), None)
         yield StepEvent(((3,), ()), None)  # row 1 finished
-        yield StepEvent(((4, 5), ()), StepRecord(((4, 9), None), (1, None)))
+        yield StepEvent(((4, 5), ()), StepRecord(((4, 9), None), (1, None), (2, None)))
 
     record = measure(events(), RequestRecord("w", "x", "t", 0, 2, 3), clock=_clock([0.0, 0.5, 1.0, 2.0, 2.0]))
     assert record.step_tokens == [1, 2]
@@ -91,11 +93,11 @@ def test_speedups_and_host_draft_share():
     assert rows["ar"]["speedup_over_ar"] == 1.0
 
     record = measure(_scripted_speculative(), RequestRecord("w", "ngram", "t", 0, 1, 10),
-                     clock=_clock([0.0, 1.0, 1.5, 1.75, 2.25, 2.5]))
+                     clock=_clock([0.0, 1.0, 1.5, 1.75, 2.25, 2.5, 3.0]))
     record.stage_s = {"draft": 0.375, "draft_context": 0.25, "verify": 1.0}  # draft_context is prefill work
     s = summarize([record], max_step_tokens=4)
-    assert s["host_draft_share"] == 0.375 / 1.5  # drafting during the 1.5 s after the first token
-    assert s["decode_tokens_per_second"] == 8 / 1.5
+    assert s["host_draft_share"] == 0.375 / 2.0  # drafting during the 2 s after the first token
+    assert s["decode_tokens_per_second"] == 10 / 2.0
     assert s["draft_context_s"] == 0.25
 
 

@@ -34,10 +34,6 @@ class OracleRunner:
         self.accepted: list[int] = []
         self.checked = 0
 
-    @property
-    def engine_seconds(self) -> float:
-        return self.runner.engine_seconds
-
     @torch.no_grad()
     def reference_proposals(self, context: list[int]) -> list[int]:
         """The reference draft on the target's hidden states at the pivot (the token before the anchor)."""

@@ -44,3 +44,25 @@ def test_layers_start_on_the_alignment_boundary(capacity):
             cache.ensure_capacity(cache.capacity + 3)
     plain = KVCache(4, 3, 1, 16, capacity, torch.float32)
     assert plain.k.is_contiguous()  # no alignment asked: the plain layout
+
+
+def test_reserve_rounds_the_need_up_to_a_granule_and_keeps_entries():
+    """A reservation grows to what is needed rounded up to GRANULE (capped at the engine's
+    largest cache), never shrinks, and keeps what is cached."""
+    from dlite_trt.runtime.kv_cache import GRANULE
+
+    cache = KVCache(2, 1, 1, 4, 0, torch.float32)
+    cache.reserve(5, limit=1000)
+    assert cache.capacity == GRANULE
+    new = torch.arange(2 * 1 * 1 * 5 * 4, dtype=torch.float32).reshape(2, 1, 1, 5, 4)
+    cache.write(new, -new, start=[0], count=[5])
+    cache.reserve(GRANULE, limit=1000)
+    assert cache.capacity == GRANULE  # it fits: no growth
+    cache.reserve(GRANULE + 1, limit=1000)
+    assert cache.capacity == 2 * GRANULE and torch.equal(cache.view(5)[0], new)
+    cache.reserve(10, limit=1000)
+    assert cache.capacity == 2 * GRANULE  # never shrinks
+    cache.reserve(999, limit=1000)
+    assert cache.capacity == 1000  # capped at the limit, not rounded past it
+    with pytest.raises(ValueError, match="1001 KV slots needed"):
+        cache.reserve(1001, limit=1000)

@@ -64,11 +64,12 @@ def measure(events: Iterable[StepEvent], record: RequestRecord,
         elif event.record is None:  # a target-only decode step: one token per active sequence
             record.step_tokens += [len(toks) for toks in event.new_tokens if toks]
         else:
-            for drafts, n in zip(event.record.draft_tokens, event.record.accepted, strict=True):
-                if n is not None:
-                    record.step_tokens.append(n + 1)
+            step = event.record
+            for row, drafts in enumerate(step.draft_tokens):
+                if drafts is not None:
+                    record.step_tokens.append(step.kept[row])
                     record.proposed += len(drafts)
-                    record.accepted += n
+                    record.accepted += step.kept_drafts(row)
     record.total_s = clock() - start
     record.output_ids = outputs
     record.output_tokens = sum(map(len, outputs))

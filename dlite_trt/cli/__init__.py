@@ -37,6 +37,15 @@ class LazyGroup(click.Group):
             formatter.write_dl([(name, SUBCOMMANDS[name][1]) for name in self.list_commands(ctx)])
 
     def invoke(self, ctx: click.Context):
+        # Exit codes, the same in every subcommand; each message names the problem and the fix:
+        #   2 (click.UsageError, click.BadParameter): the command line itself is wrong, seen without opening
+        #     any path: a malformed or out-of-range value (--seed, --temperature inf, --input-ids ""), options
+        #     that need or exclude each other (--threads without --engine), an option the loaded engine cannot
+        #     honour (--dtype on an engine built for another).
+        #   1 (DLiteError -> click.ClickException, below): a path given is not what it should be, found by
+        #     opening it: a --target, --draft or --engine that is missing, a file, not a model, checkpoint or
+        #     engine directory (no manifest.json), corrupt or built from other models; and anything that fails
+        #     later at run time (a prompt past the engine's --max-seq-len, a tokenizer without a chat template).
         try:
             return super().invoke(ctx)
         except DLiteError as exc:  # bad input: a clear message, no traceback

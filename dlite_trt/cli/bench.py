@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from dlite_trt.bench.names import METHOD_NAMES, WORKLOAD_NAMES, check_names
+from dlite_trt.cli.inputs import check_engine_dir
 from dlite_trt.errors import DLiteError
 
 BUILD_MAX_SEQ_LEN = 16384 + 256  # what an engine built here for the bench holds: the longest workload
@@ -32,7 +33,7 @@ def _names(value: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]
 
 
 @click.command("bench")
-@click.option("--engine", type=click.Path(path_type=Path, file_okay=False),
+@click.option("--engine", type=click.Path(path_type=Path), metavar="DIRECTORY",
               help="Engine directory. Without it, one is built into OUT/engine from --target/--draft "
                    "(default: the bundled pair).")
 @click.option("--target", help="Qwen3 model directory (with --draft): build from it, or check --engine against it.")
@@ -98,9 +99,8 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
             build_engine(src_target, src_draft, engine,
                          BuildSettings(limits=EngineLimits(max_batch=8, max_seq_len=BUILD_MAX_SEQ_LEN, max_chunk=512)),
                          progress=False)
-    elif not (engine / "manifest.json").is_file():
-        raise click.UsageError(f"{engine} is not an engine directory (no manifest.json); build one with "
-                               "`dlite-trt build --out DIR`, or leave out --engine to build one here.")
+    else:
+        check_engine_dir(engine, hint=", or leave out --engine to build one here")
 
     from dlite_trt.engine.load import load_engine
 

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import click
 
+from dlite_trt.cli.inputs import check_random_weights
+
 
 @click.command("build")
 @click.option("--target", help="Qwen3 model directory or preset name (qwen3-8b, ...) [default: the bundled target].")
 @click.option("--draft", type=click.Path(path_type=Path),
               help="dlite_v1 draft checkpoint directory [default: the bundled draft].")
-@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+@click.option("--out", required=True, type=click.Path(path_type=Path), metavar="DIRECTORY",  # a file: exit 1
               help="Engine directory to write (replaced only once the new engine is complete).")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
               help="tensorrt: TensorRT plans (needs dlite-trt[trt] and an NVIDIA GPU).")
@@ -41,6 +43,7 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     from dlite_trt.engine.build import BuildSettings, build_engine
     from dlite_trt.export.contract import EngineLimits
 
+    check_random_weights(random_weights, target)
     hf_logging.disable_progress_bar()
     target, draft = pair_or_bundled(target, draft)
     settings = BuildSettings(backend=backend, dtype=dtype, random_weights=random_weights, workspace_gb=workspace_gb,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from dlite_trt.cli.inputs import SEED, TEMPERATURE, check_engine_dir, check_random_weights
 from dlite_trt.errors import DLiteError
 
 
@@ -18,12 +19,26 @@ def _parse_ids(value: str) -> list[int]:
         raise click.BadParameter(f"expected comma-separated integers like 1,2,3, got {value!r}",
                                  param_hint="'--input-ids'") from exc
     if not ids:
-        raise click.BadParameter("no token ids given", param_hint="'--input-ids'")
+        raise click.BadParameter("no token ids given; pass at least one, e.g. --input-ids 1,2,3",
+                                 param_hint="'--input-ids'")
     return ids
 
 
+def _check_options(engine: Path | None, target: str | None, prompt: str | None, chat: bool, random_weights: bool,
+                   threads: int | None) -> None:
+    """Usage errors (exit 2) found from the options alone, before anything loads."""
+    if prompt == "" and not chat:
+        raise click.BadParameter("the prompt is empty; give some text (or --input-ids 1,2,3)", param_hint="'--prompt'")
+    if chat and prompt is None:
+        raise click.UsageError("--chat needs --prompt (a text to wrap in the chat template)")
+    if threads is not None and engine is None:
+        raise click.UsageError("--threads sets ONNX Runtime's threads for an engine; pass --engine DIR, or drop "
+                               "--threads (the PyTorch reference uses torch's threads)")
+    check_random_weights(random_weights, target)
+
+
 @click.command("generate")
-@click.option("--engine", type=click.Path(path_type=Path, file_okay=False),
+@click.option("--engine", type=click.Path(path_type=Path), metavar="DIRECTORY",
               help="Engine directory from `dlite-trt build`. With --target/--draft, checks it was built from them.")
 @click.option("--verify", is_flag=True,
               help="With --engine: hash every engine file (by default files above 64 MiB are only size-checked).")
@@ -33,10 +48,11 @@ def _parse_ids(value: str) -> list[int]:
               help="dlite_v1 draft checkpoint directory; without it and --engine, the bundled draft.")
 @click.option("--prompt", help="Prompt text (tokenized with the target's tokenizer).")
 @click.option("--input-ids", "input_ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=0))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=0),
+              help="Most tokens to generate (fewer when an end-of-sequence token comes first).")
+@click.option("--temperature", default=0.0, show_default=True, type=TEMPERATURE,
               help="0 = greedy (lossless); > 0 = speculative rejection sampling.")
-@click.option("--seed", type=int, help="Seed for sampling (same seed, same output).")
+@click.option("--seed", type=SEED, help="Seed for sampling (same seed, same output), from -2**63 to 2**64 - 1.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the target's end-of-sequence tokens.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]),
@@ -54,12 +70,15 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
     if (prompt is None) == (input_ids is None):
         raise click.UsageError("pass exactly one of --prompt TEXT or --input-ids 1,2,3")
     ids = _parse_ids(input_ids) if input_ids is not None else None
+    _check_options(engine, target, prompt, chat, random_weights, threads)
 
     from dlite_trt.bundled import check_pair_options, pair_or_bundled
 
     check_pair_options(target, draft)
     if verify and engine is None:
         raise click.UsageError("--verify checks an engine directory; pass --engine DIR")
+    if engine is not None:
+        check_engine_dir(engine)  # after the usage errors: opening a path is the runtime part (exit 1)
 
     from transformers.utils import logging as hf_logging
 
@@ -93,8 +112,6 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
                                                tokenize=True, return_dict=False))
         else:
             ids = tok.encode(prompt, add_special_tokens=False)
-    elif chat:
-        raise click.UsageError("--chat needs --prompt (a text to wrap in the chat template)")
     stops = () if ignore_eos else pair.stop_token_ids
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stops)
     start = time.perf_counter()
@@ -115,14 +132,15 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
         if text is not None:
             payload["text"] = text
         if trace:
-            payload["steps"] = [{"draft_tokens": list(s.draft_tokens[0]), "accepted": s.accepted[0]}
-                                for s in result.steps if s.accepted[0] is not None]
+            payload["steps"] = [{"draft_tokens": list(s.draft_tokens[0]), "accepted": s.accepted[0], "kept": s.kept[0]}
+                                for s in result.steps if s.kept[0] is not None]
         click.echo(json.dumps(payload))
         return
     click.echo(text if text is not None else ",".join(map(str, out)))
     if trace:
         for i, s in enumerate(result.steps):
-            if s.accepted[0] is not None:
-                click.echo(f"step {i}: draft {list(s.draft_tokens[0])} accepted {s.accepted[0]}", err=True)
+            if s.kept[0] is not None:
+                click.echo(f"step {i}: draft {list(s.draft_tokens[0])} accepted {s.accepted[0]} kept {s.kept[0]}",
+                           err=True)
     click.echo(f"\n{len(out)} tokens, mean acceptance length {result.mean_acceptance_length(0):.2f}, "
                f"{tps:.1f} tokens/s", err=True)

@@ -9,15 +9,19 @@ from pathlib import Path
 
 import click
 
+from dlite_trt.cli.inputs import check_engine_dir
 from dlite_trt.cli.serve_options import ENGINE, INSTANCES, MAX_BATCH, THREADS
 
 
 @click.command("serve")
 @ENGINE
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP and gRPC endpoints bind.")
-@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535),
+              help="Port of the HTTP endpoint (KServe v2 and /generate).")
+@click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535),
+              help="Port of the gRPC endpoint.")
+@click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535),
+              help="Port of Triton's Prometheus metrics.")
 @INSTANCES
 @MAX_BATCH
 @THREADS
@@ -30,6 +34,7 @@ def command(engine: Path, host: str, http_port: int, grpc_port: int, metrics_por
     Uses `tritonserver` on PATH when there is one (NVIDIA's container); otherwise the Triton
     2.51 server bundled with nvidia-pytriton (`pip install 'dlite-trt[triton]'`). Models:
     `dlite` (batched) and `dlite_stream` (streaming, decoupled)."""
+    check_engine_dir(engine)
     from dlite_trt.serve.server import TritonServer
     from dlite_trt.serve.triton_repo import write_repository
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-ENGINE = click.option("--engine", required=True, type=click.Path(path_type=Path, file_okay=False),
-                      help="Engine directory from `dlite-trt build`.")
+ENGINE = click.option("--engine", required=True, type=click.Path(path_type=Path), metavar="DIRECTORY",
+                      help="Engine directory from `dlite-trt build`.")  # not an engine: check_engine_dir, exit 1
 INSTANCES = click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
                          help="Model instances (each its own process with its own engine session).")
 MAX_BATCH = click.option("--max-batch", type=click.IntRange(min=1),

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 
+from dlite_trt.cli.inputs import SEED, TEMPERATURE
+
 SEQUENCES = "sequences.jsonl"
 
 
@@ -52,15 +54,20 @@ def _common(f):
                      help="Directory written by `dlite-trt train data`."),
         click.option("--init", "init", required=True, type=click.Path(path_type=Path, file_okay=False),
                      help="dlite_v1 checkpoint to start from (its config defines the draft)."),
-        click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False)),
-        click.option("--seq-len", default=128, show_default=True, type=click.IntRange(min=4)),
-        click.option("--batch-seqs", default=8, show_default=True, type=click.IntRange(min=1)),
+        click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+                     help="Checkpoint directory to write (a run with the same --out resumes)."),
+        click.option("--seq-len", default=128, show_default=True, type=click.IntRange(min=4),
+                     help="Tokens per training window cut from a sequence."),
+        click.option("--batch-seqs", default=8, show_default=True, type=click.IntRange(min=1),
+                     help="Sequence windows per step (split across data-parallel ranks)."),
         click.option("--anchors", default=16, show_default=True, type=click.IntRange(min=1),
                      help="Draft blocks per sequence window per step."),
-        click.option("--lr", default=3e-4, show_default=True, type=click.FloatRange(min=0, min_open=True)),
-        click.option("--seed", default=0, show_default=True, type=int),
+        click.option("--lr", default=3e-4, show_default=True, type=click.FloatRange(min=0, min_open=True),
+                     help="Peak learning rate (then a cosine decay to a tenth of it)."),
+        click.option("--seed", default=0, show_default=True, type=int,
+                     help="Seed of the batches (same seed, same run)."),
         click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape."),
-        click.option("--quiet", is_flag=True),
+        click.option("--quiet", is_flag=True, help="No progress display."),
     ]):
         f = option(f)
     return f
@@ -86,14 +93,20 @@ def command() -> None:
 @click.option("--target", required=True, help="Qwen3 model directory or preset name.")
 @click.option("--prompts", required=True, type=click.Path(path_type=Path),
               help="JSONL of prompts ({prompt|messages|input_ids}) or a directory of text files.")
-@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False))
-@click.option("--max-prompt-tokens", default=256, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-prompts", type=click.IntRange(min=1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
-@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--random-weights", is_flag=True)
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Directory to write sequences.jsonl into.")
+@click.option("--max-prompt-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Longest prompt, in tokens (longer ones keep their last tokens).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Most answer tokens per prompt (fewer when an end-of-sequence token comes first).")
+@click.option("--max-prompts", type=click.IntRange(min=1), help="Use at most this many prompts [default: all].")
+@click.option("--temperature", default=0.0, show_default=True, type=TEMPERATURE,
+              help="0 = greedy answers; > 0 = sampled answers.")
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Prompts answered together in one batch.")
+@click.option("--seed", default=0, show_default=True, type=SEED,
+              help="Seed of the prompt cuts and of sampling (same seed, same data).")
+@click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
 def data(target: str, prompts: Path, out: Path, max_prompt_tokens: int, max_new_tokens: int,
          max_prompts: int | None, temperature: float, batch_size: int, seed: int, random_weights: bool) -> None:
     """Answer prompts with the target itself; write token ids to OUT/sequences.jsonl."""
@@ -117,7 +130,7 @@ def data(target: str, prompts: Path, out: Path, max_prompt_tokens: int, max_new_
 @_common
 @click.option("--window", default=16, show_default=True, type=click.IntRange(min=0),
               help="Past positions the teacher sees beyond the pivot.")
-@click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1))
+@click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1), help="Training steps.")
 def teacher(target, data, init, out, seq_len, batch_seqs, anchors, lr, seed, random_weights, quiet, window,
             steps) -> None:
     """Train the isomorphic history-aware teacher."""
@@ -135,8 +148,10 @@ def teacher(target, data, init, out, seq_len, batch_seqs, anchors, lr, seed, ran
 @_common
 @click.option("--teacher", "teacher_dir", type=click.Path(path_type=Path, file_okay=False),
               help="Teacher from `dlite-trt train teacher` (needed for stage 1).")
-@click.option("--stage1-steps", default=500, show_default=True, type=click.IntRange(min=0))
-@click.option("--stage2-steps", default=1000, show_default=True, type=click.IntRange(min=1))
+@click.option("--stage1-steps", default=500, show_default=True, type=click.IntRange(min=0),
+              help="Stage 1 steps: KL to the teacher.")
+@click.option("--stage2-steps", default=1000, show_default=True, type=click.IntRange(min=1),
+              help="Stage 2 steps: CE + TV against the target.")
 @click.option("--single-stage", is_flag=True, help="Skip stage 1 (the ablation): stage 2 for both budgets.")
 def student(target, data, init, out, seq_len, batch_seqs, anchors, lr, seed, random_weights, quiet, teacher_dir,
             stage1_steps, stage2_steps, single_stage) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from dlite_trt.cli.inputs import check_engine_dir
 from dlite_trt.cli.serve_options import ENGINE, INSTANCES, MAX_BATCH, THREADS
 
 
@@ -21,6 +22,7 @@ from dlite_trt.cli.serve_options import ENGINE, INSTANCES, MAX_BATCH, THREADS
 def command(engine: Path, out: Path, instances: int, max_batch: int | None, streaming: bool,
             threads: int | None) -> None:
     """Write a Triton model repository that serves an engine (Python backend)."""
+    check_engine_dir(engine)
     from dlite_trt.serve.triton_repo import write_repository
 
     names = write_repository(engine, out, instances=instances, max_batch=max_batch, streaming=streaming,

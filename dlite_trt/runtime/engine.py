@@ -25,8 +25,6 @@ from dlite_trt.runtime.sampling import is_greedy
 from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent
 from dlite_trt.runtime.stats import StageTimer
 
-CAPACITY_ROUND = 128  # KV slots are reserved in multiples of this
-
 
 @dataclass(frozen=True)
 class _Chunk:
@@ -48,7 +46,8 @@ class EngineGenerator(GeneratorBase):
 
 
 class EngineSession(SessionBase):
-    """A live batch on an engine; it owns its KV cache, so sessions on one engine can interleave."""
+    """A live batch on an engine; it owns its KV cache (and the runner's bindings to it), so sessions
+    on one engine can interleave, and run on different threads (one thread per session at a time)."""
 
     def __init__(self, gen: EngineGenerator, prompts: Sequence[Sequence[int]]) -> None:
         super().__init__(prompts, gen.spec.vocab_size)
@@ -68,9 +67,6 @@ class EngineSession(SessionBase):
             raise EngineError(f"a sequence would reach {longest} tokens (prompt + max_new_tokens), past the engine's "
                               f"--max-seq-len {limit}; shorten the prompt, lower max_new_tokens, or rebuild the engine "
                               "with a larger --max-seq-len.")
-        cap = min(math.ceil((longest + self.gen.cfg.block_size) / CAPACITY_ROUND) * CAPACITY_ROUND,
-                  cache_capacity_max(self.gen.manifest.limits, self.gen.cfg.block_size))
-        self.cache.ensure_capacity(cap, max_capacity=cap)  # exactly what this generate needs
 
     # -- helpers -------------------------------------------------------------------------------
     def _chunks(self) -> Iterator[_Chunk]:
@@ -100,9 +96,18 @@ class EngineSession(SessionBase):
             prefix[row, self.g - 1 - len(tail):] = tail
         return prefix
 
+    def _infer(self, graph: str, feeds: dict[str, Any]) -> dict[str, Any]:
+        """One engine call, the cache first grown to hold this call's tokens. A call attends over
+        the whole cache, so it is sized by what the sequences hold (``KVCache.reserve``), never by
+        what max_new_tokens would let them reach."""
+        ids = feeds["block"] if "block" in feeds else feeds["input_ids"]  # [B, T]
+        limit = cache_capacity_max(self.gen.manifest.limits, self.gen.cfg.block_size)
+        self.cache.reserve(int(feeds["past_len"].max()) + ids.shape[1], limit)
+        return self.runner.infer(graph, feeds, self.cache)
+
     def _call(self, graph: str, feeds: dict[str, Any], start: list[int], count: list[int]) -> dict[str, Any]:
         """One engine call; then store the first count[b] new KV entries of row b at start[b]."""
-        out = self.runner.infer(graph, feeds, self.cache)
+        out = self._infer(graph, feeds)
         self._store(out, start, count)
         return out
 
@@ -149,13 +154,13 @@ class EngineSession(SessionBase):
         block = out["next_block"]
         carried = {"draft_logits": out["next_draft_logits"]} if sampling else {}
         yield StepEvent(tuple(self._emit(row, [int(block[row, 0])], params) for row in range(b)), None)
-        engine_before = self.runner.engine_seconds
+        engine_before = self.cache.engine_seconds
         while any(self._active):
             with timer.time("step"):
                 past_len = np.array(self.cache_len, np.int64)  # = anchor position of every active row
                 feeds = {"block": block, "past_len": past_len, **prefix, **carried,
                          **random_feeds(("u_accept", (b, k)), ("u_resample", (b,)), ("u_draft", (b, k)))}
-                out = self.runner.infer("step" + suffix, feeds, self.cache)
+                out = self._infer("step" + suffix, feeds)
                 n = out["accepted"].tolist()
                 self._store(out, past_len.tolist(), [n[r] + 1 if a else 0 for r, a in enumerate(self._active)])
                 emitted = out["emitted"]
@@ -167,7 +172,7 @@ class EngineSession(SessionBase):
                 if sampling:
                     carried = {"draft_logits": out["next_draft_logits"]}
             yield event
-        timer.seconds["engine"] += self.runner.engine_seconds - engine_before
+        timer.seconds["engine"] += self.cache.engine_seconds - engine_before
 
     def _target_first(self, params: SamplingParams, uniforms) -> list[int]:
         b = self.batch_size

@@ -7,6 +7,11 @@ stores only the entries a call keeps (the accepted block, a prefill chunk): O(bl
 step. Rejected entries are never written: they are discarded by the sequences' lengths
 (``past_len``).
 
+Threads: one runner (one engine) may serve several threads at once. ONNX Runtime's
+``InferenceSession`` runs concurrently; what a call binds (an IOBinding per graph) belongs to
+the KV cache it runs on (``KVCache.bindings``), so sessions never share one, and graphs load
+under a lock. A session (its cache) is used by one thread at a time.
+
 Runner interface (shared with future backends, Polygraphy-style): ``activate()`` /
 ``deactivate()`` (or a ``with`` block), ``new_cache(batch)``, ``infer(graph, feeds, cache)`` ->
 outputs by name. Outputs named in ``DEVICE_OUTPUTS`` stay backend values and may be passed
@@ -15,10 +20,11 @@ back as inputs of the next call without a host round trip.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,10 +47,8 @@ class OrtRunner(RunnerBase):
         self.contract = manifest.contract
         self.threads = threads
         self.sessions: dict[str, Any] = {}
-        self._bindings: dict[str, Any] = {}
         self._host_inputs: dict[str, list] = {}  # graph -> its non-cache input specs
-        self._bound: dict[str, tuple] = {}  # graph -> (K ptr, V ptr, shape) its cache inputs are bound to
-        self.engine_seconds = 0.0  # time inside run_with_iobinding, accumulated
+        self._loading = threading.Lock()  # two threads' first calls of a graph load it once
         self._identity = self._file_identity()  # graphs load lazily: they must come from this same build
 
     # -- lifecycle (activate / with: RunnerBase); every session holds its own prepacked weights ----
@@ -52,8 +56,15 @@ class OrtRunner(RunnerBase):
         return self._session(name)
 
     def _session(self, name: str) -> Any:
-        if name in self.sessions:
+        session = self.sessions.get(name)
+        if session is not None:
+            return session
+        with self._loading:
+            if name not in self.sessions:
+                self._load_session(name)
             return self.sessions[name]
+
+    def _load_session(self, name: str) -> None:
         import onnxruntime as ort
 
         self._check_unchanged()
@@ -68,10 +79,8 @@ class OrtRunner(RunnerBase):
             raise EngineError(f"ONNX Runtime cannot load {path}: {exc}. The engine is corrupt or was built by "
                               "an incompatible version; rebuild it with `dlite-trt build`.") from exc
         self._check_io(name, session, path)
-        self.sessions[name] = session
-        self._bindings[name] = session.io_binding()
         self._host_inputs[name] = [t for t in self.contract[name].inputs if kv_input(t.name) is None]
-        return session
+        self.sessions[name] = session  # last: other threads read it without the lock
 
     def _file_identity(self) -> dict[str, tuple[int, int, int]]:
         identity = {}
@@ -97,9 +106,7 @@ class OrtRunner(RunnerBase):
                               f"{spec.input_names} -> {spec.output_names}; the engine is inconsistent. Rebuild it.")
 
     def deactivate(self) -> None:
-        self.sessions.clear()
-        self._bindings.clear()
-        self._bound.clear()
+        self.sessions.clear()  # caches keep their bindings to the old sessions: _binding rebinds them
 
     def new_cache(self, batch: int) -> KVCache:
         spec = self.manifest.target_spec
@@ -114,9 +121,7 @@ class OrtRunner(RunnerBase):
 
         spec = self.contract[graph]
         session = self._session(graph)
-        io = self._bindings[graph]
-        if self._bound.get(graph) != _buffers(cache):  # another session's cache, or it grew
-            self._bind_cache(graph, cache)
+        io = self._binding(graph, session, cache)
         keep = []  # bound host arrays must outlive the run
         for t in self._host_inputs[graph]:
             value = feeds[t.name]
@@ -137,25 +142,35 @@ class OrtRunner(RunnerBase):
             session.run_with_iobinding(io)
         except Exception as exc:  # ORT's own error types (Fail, InvalidArgument, RuntimeException)
             raise EngineError(f"ONNX Runtime failed in the {graph} graph of {self.engine_dir}: {exc}") from exc
-        self.engine_seconds += time.perf_counter() - started
+        cache.engine_seconds += time.perf_counter() - started
         del keep
         values = io.get_outputs()
         return {t.name: (v if t.name in DEVICE_OUTPUTS else v.numpy())
                 for t, v in zip(spec.outputs, values, strict=True)}
 
-    def _bind_cache(self, graph: str, cache: KVCache) -> None:
-        """Bind each past_key.{i}/past_value.{i} to layer i's slice of the cache buffer (no copy)."""
-        io = self._bindings[graph]
-        io.clear_binding_inputs()
+    def _binding(self, graph: str, session: Any, cache: KVCache) -> Any:
+        """The cache's IOBinding of ``graph``, its past_key.{i}/past_value.{i} bound to layer i's
+        slice of the cache buffers (no copy); bound again when the cache grew (new buffers)."""
+        target = (session, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+        held = cache.bindings.get(graph)
+        if held is not None and held[:4] == target:
+            return held.io
+        io = session.io_binding()
         dtype = np.dtype(NUMPY_NAMES[self.manifest.dtype])
         for t in self.contract[graph].inputs:
             kv = kv_input(t.name)
             if kv is not None:
                 buf = (cache.k if kv[0] == "key" else cache.v)[kv[1]]  # contiguous [B, kvH, cap, D]
                 io.bind_input(t.name, "cpu", 0, dtype, tuple(buf.shape), buf.data_ptr())
-        self._bound[graph] = _buffers(cache)
+        cache.bindings[graph] = Binding(*target, io)
+        return io
 
 
-def _buffers(cache: KVCache) -> tuple:
-    """What a binding points at: rebinding is needed when the addresses or the shape change."""
-    return cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape)
+class Binding(NamedTuple):
+    """A cache's IOBinding of one graph and what its cache inputs were bound to."""
+
+    session: Any
+    k_ptr: int
+    v_ptr: int
+    shape: tuple[int, ...]  # [L, B, kvH, P, D]: every past_key.{i} / past_value.{i} is bound as [B, kvH, P, D]
+    io: Any

@@ -30,8 +30,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
             raise DLiteError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}.")
-        if not self.temperature >= 0.0:
-            raise DLiteError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}.")
+        try:
+            finite = 0.0 <= self.temperature < float("inf")  # NaN fails both, as in the server's check
+        except TypeError:  # not a number
+            finite = False
+        if not finite:
+            raise DLiteError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}.")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise DLiteError(f"seed must be an integer, got {self.seed!r}; pass a whole number such as 0.")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator().manual_seed takes
+            raise DLiteError(f"seed must be in [-2**63, 2**64 - 1] (what torch's generator takes), got {self.seed}; "
+                             "pick a smaller seed.")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
@@ -68,7 +77,7 @@ class SessionBase:
         self.tokens: list[list[int]] = []
         for row, prompt in enumerate(prompts):
             if len(prompt) == 0:
-                raise DLiteError(f"prompt {row} is empty; every sequence needs at least one token.")
+                raise DLiteError(f"the prompt is empty (sequence {row} of the batch); give at least one token.")
             self.tokens.append(self._checked(prompt, f"prompt {row}"))
         self.cache_len = [0] * len(prompts)  # KV entries valid per sequence
         # per-generate progress, reset by _start()
@@ -207,14 +216,15 @@ class SessionBase:
             if not self._active[row]:
                 drafts.append(None)
                 counts.append(None)
-                new_tokens.append(())
+                new_tokens.append(None)
                 continue
             n = int(accepted[row])
             drafts.append(tuple(int(t) for t in proposals[row]))
             counts.append(n)
             self.cache_len[row] = int(anchor_pos[row]) + n + 1  # anchor, d_1..d_n are now cached
             new_tokens.append(self._emit(row, emitted(row, n), params))
-        return StepEvent(tuple(new_tokens), StepRecord(tuple(drafts), tuple(counts)))
+        kept = tuple(None if t is None else len(t) for t in new_tokens)
+        return StepEvent(tuple(t or () for t in new_tokens), StepRecord(tuple(drafts), tuple(counts), kept))
 
     def _collect(self, stream, params: SamplingParams) -> GenerationResult:
         result = GenerationResult(output_ids=[[] for _ in self.tokens])

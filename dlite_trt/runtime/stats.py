@@ -29,10 +29,22 @@ class StageTimer:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One speculative step of a batch. Rows that had already finished hold None."""
+    """One speculative step of a batch. Rows that had already finished hold None.
+
+    ``kept`` is the step's acceptance length: the tokens it added to the output, n + 1 unless
+    max_new_tokens or a stop token cut the step. Every acceptance figure (CLI, bench, serving,
+    training measurements) counts these, so a sequence's per-step figures plus its prefill
+    token add up to its output length.
+    """
 
     draft_tokens: tuple[tuple[int, ...] | None, ...]  # [B][K] proposals verified in this step
-    accepted: tuple[int | None, ...]  # [B] n: leading drafts accepted (tokens emitted = n + 1)
+    accepted: tuple[int | None, ...]  # [B] n: leading drafts the target accepted (verification's result)
+    kept: tuple[int | None, ...]  # [B] tokens kept: n + 1, or fewer where the output ended inside the step
+
+    def kept_drafts(self, row: int) -> int | None:
+        """Accepted drafts that are in the output (a cut step keeps only its first drafts)."""
+        n, kept = self.accepted[row], self.kept[row]
+        return None if n is None else min(n, kept)
 
 
 @dataclass
@@ -43,8 +55,9 @@ class GenerationResult:
     stop_reasons: list[str] = field(default_factory=list)  # "stop_token" | "max_new_tokens"
 
     def acceptance_lengths(self, row: int = 0) -> list[int]:
-        """Tokens per step for one sequence (n + 1, the bonus token included)."""
-        return [s.accepted[row] + 1 for s in self.steps if s.accepted[row] is not None]
+        """Tokens kept per step for one sequence (n + 1, the bonus token included, unless the
+        output ended inside the step): with the prefill's token they add up to the output."""
+        return [s.kept[row] for s in self.steps if s.kept[row] is not None]
 
     def mean_acceptance_length(self, row: int | None = None) -> float:
         rows = range(len(self.output_ids)) if row is None else [row]

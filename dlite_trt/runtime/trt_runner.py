@@ -12,12 +12,17 @@ next, so they run as CUDA graphs (``runtime.cuda_graphs.CallGraphs``): eager on 
 captured on its second call, replayed after that; ``cuda_graphs=False`` turns this off. Calls run
 on the runner's own stream, ordered after the caller's work and synchronized before returning.
 
+Threads: an execution context (one per graph) holds its bound shapes and addresses, and the
+CUDA graphs are the runner's, so calls from several threads run one at a time (a lock);
+sessions on other threads wait their turn instead of running on each other's bindings.
+
 Written against the TensorRT 10 Python API; it has never run (no TensorRT or GPU where it was
 written).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,7 +52,7 @@ class TrtRunner(RunnerBase):
         self.contract = manifest.contract
         self.engines: dict[str, Any] = {}
         self.contexts: dict[str, Any] = {}
-        self.engine_seconds = 0.0
+        self._calls = threading.Lock()  # one call at a time: contexts and CUDA graphs are shared
         self.graphs = CallGraphs() if cuda_graphs else None
         self._stream: Any = None  # the runner's own CUDA stream (not the legacy default stream)
 
@@ -89,6 +94,10 @@ class TrtRunner(RunnerBase):
                        dtype=TORCH[self.manifest.dtype], device="cuda", layer_align=TENSOR_ALIGNMENT)
 
     def infer(self, graph: str, feeds: Mapping[str, Any], cache: KVCache) -> dict[str, Any]:
+        with self._calls:
+            return self._infer(graph, feeds, cache)
+
+    def _infer(self, graph: str, feeds: Mapping[str, Any], cache: KVCache) -> dict[str, Any]:
         import numpy as np
         import torch
 
@@ -144,7 +153,7 @@ class TrtRunner(RunnerBase):
                 outputs = bind(inputs)
                 execute()
         self._stream.synchronize()  # the caller reads the outputs on any stream
-        self.engine_seconds += time.perf_counter() - started
+        cache.engine_seconds += time.perf_counter() - started
         return {t.name: outputs[t.name] for t in spec.outputs}
 
 

@@ -1,0 +1,57 @@
+"""Checks of command-line values that several subcommands share.
+
+Which failures exit 2 (usage) and which exit 1 (runtime): see ``LazyGroup.invoke`` in
+dlite_trt/cli/__init__.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dlite_trt.errors import DLiteError, EngineError
+
+
+class _SamplingValue(click.ParamType):
+    """A --seed or --temperature, checked by ``SamplingParams`` itself: one rule for the CLI and the API."""
+
+    def __init__(self, name: str, field: str, parse: click.ParamType) -> None:
+        self.name, self.field, self.parse = name, field, parse
+
+    def convert(self, value, param, ctx):
+        parsed = self.parse.convert(value, param, ctx)  # "'x' is not a valid integer" and the like
+        from dlite_trt.runtime.session import SamplingParams
+
+        try:
+            SamplingParams(**{self.field: parsed})
+        except DLiteError as exc:
+            self.fail(str(exc), param, ctx)
+        return parsed
+
+
+SEED = _SamplingValue("integer", "seed", click.INT)
+TEMPERATURE = _SamplingValue("float", "temperature", click.FLOAT)
+
+
+def check_engine_dir(engine: Path, hint: str = "") -> None:
+    """An --engine path that is not an engine directory: the same EngineError (exit 1) from every command."""
+    from dlite_trt.engine.manifest import MANIFEST
+
+    if engine.is_dir() and (engine / MANIFEST).is_file():
+        return
+    if not engine.exists():
+        why = "it does not exist"
+    elif not engine.is_dir():
+        why = "it is a file"
+    else:
+        why = f"it has no {MANIFEST} (or its build did not finish)"
+    raise EngineError(f"--engine {engine} is not an engine directory: {why}. Build one with "
+                      f"`dlite-trt build --out DIR`{hint}.")
+
+
+def check_random_weights(random_weights: bool, target: str | None) -> None:
+    """--random-weights gives a preset --target random weights: without --target it would do nothing."""
+    if random_weights and target is None:
+        raise click.UsageError("--random-weights gives a preset --target random weights of its shape; pass "
+                               "--target PRESET --draft DIR, or drop --random-weights")
