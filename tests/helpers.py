@@ -179,3 +179,41 @@ class OracleProposals:
                 assert int(group_len[row]) == len(tail) and group[row, g - len(tail):].tolist() == tail
                 checked += 1
         return checked
+
+
+def stop_inside_a_step(kept: list[int], output: list[int], *, min_drafts: int = 2) -> tuple[int, int]:
+    """Where a stop token lands inside a speculative step: (step index, output position) of the
+    first token of a step that kept at least ``min_drafts`` drafts and its bonus token, the token
+    not seen earlier in the output. A stop there drops >= min_drafts tokens the step produced.
+
+    ``kept`` holds the tokens each step added (the prefill's first token excluded), as a greedy
+    run without stops gives them (``GenerationResult.acceptance_lengths``).
+    """
+    start = 1  # output[0] came from the prefill
+    for step, k in enumerate(kept):
+        if k >= min_drafts + 1 and output[start] not in output[:start]:
+            return step, start
+        start += k
+    raise AssertionError(f"no step keeps {min_drafts} drafts and a new token: {kept}")
+
+
+def stop_string_inside_a_step(decode, kept: list[int], output: list[int], *,
+                              min_drafts: int = 2) -> tuple[int, int, str]:
+    """Like ``stop_inside_a_step`` for a stop string: (step index, output position, string) where
+    the string is the text of the first token of such a step and first completes with that token."""
+    start = 1
+    for step, k in enumerate(kept):
+        before, upto = decode(output[:start]), decode(output[: start + 1])
+        piece = upto[len(before):]
+        if k >= min_drafts + 1 and upto.startswith(before) and piece.strip() and piece not in before:
+            return step, start, piece
+        start += k
+    raise AssertionError(f"no step keeps {min_drafts} drafts and starts with new text: {kept}")
+
+
+def cut_at_stop_string(decode, ids: list[int], stop: str) -> tuple[list[int], str]:
+    """What a stop string leaves of a greedy output: the fewest tokens whose text contains it, and
+    the text before its first occurrence."""
+    text = decode(ids)
+    k = next(k for k in range(1, len(ids) + 1) if stop in decode(ids[:k]))
+    return ids[:k], text[: text.index(stop)]

@@ -13,6 +13,7 @@ from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits
 from dlite_trt.runtime.compare import compare_generation, compare_graphs
 from dlite_trt.runtime.engine import open_engine
 
+FLOAT_KEYS, INT_KEYS = {"max_abs_diff", "mean_abs_diff"}, {"differing", "of"}
 LIMITS = EngineLimits(max_batch=2, max_seq_len=96, max_chunk=16)
 
 
@@ -29,8 +30,16 @@ def test_an_engine_against_itself_differs_nowhere(engines):
     report = compare_graphs(a, b)
     assert sorted(report) == sorted(GRAPH_NAMES)
     for graph, outputs in report.items():
-        for name, diff in outputs.items():
-            assert diff.get("max_abs_diff", 0.0) == 0.0 and diff.get("differing", 0) == 0, (graph, name, diff)
+        spec = a.manifest.contract[graph]
+        assert list(outputs) == spec.output_names, graph  # every output compared, none dropped
+        for t in spec.outputs:
+            diff = outputs[t.name]
+            if t.dtype.startswith(("float", "bfloat")):
+                assert set(diff) == FLOAT_KEYS, (graph, t.name, diff)
+                assert diff["max_abs_diff"] == 0.0 and diff["mean_abs_diff"] == 0.0, (graph, t.name, diff)
+            else:
+                assert set(diff) == INT_KEYS, (graph, t.name, diff)
+                assert diff["differing"] == 0 and diff["of"] > 0, (graph, t.name, diff)
     generation = compare_generation(a, b, [[5, 6, 7, 8], [9, 10]], max_new_tokens=12)
     assert generation == {"prompts": 2, "identical": 2, "first_difference": None}
 

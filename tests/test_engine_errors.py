@@ -431,9 +431,11 @@ def test_console_script_error_has_no_traceback(engine_dir):
     assert run.stdout == ""
 
 
-def test_missing_draft_directory_with_engine_names_it(engine_dir):
-    with pytest.raises(DLiteError, match="(?i)not exist|no config.json|missing"):
-        load_engine(engine_dir, draft=Path("/nonexistent/draft"))
+def test_missing_draft_directory_with_engine_names_it(engine_dir, tmp_path):
+    missing = tmp_path / "no-such-draft"
+    with pytest.raises(DLiteError, match="(?i)not exist|no config.json|missing") as info:
+        load_engine(engine_dir, draft=missing)
+    assert str(missing) in str(info.value), str(info.value)  # the path the user passed, named
 
 
 def test_engine_files_are_readable_by_others(engine_dir):

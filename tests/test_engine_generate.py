@@ -129,20 +129,75 @@ def test_plain_random_target_full_strength(tmp_path):
     assert result.output_ids == [hf_greedy(hf, p, NEW) for p in prompts]
 
 
-def test_kv_cache_is_bound_in_place(bigram_case):
-    """The cache inputs are views of the runner's buffer: a step stores O(block) entries and the
-    buffer object survives the whole generation (no per-step reallocation or concatenation)."""
+def test_a_step_stores_only_its_block(bigram_case):
+    """A step writes O(block) cache entries, right after the prompt (no per-step rewrite of the cache)."""
     _, _, draft, engine = bigram_case
     session = engine.session(_prompts(9, (6,), 64))
     stream = session.stream(SamplingParams(max_new_tokens=NEW))
     next(stream)
-    cache = session.cache
-    buffer, before = cache.k, cache.k.clone()
+    before = session.cache.k.clone()
     next(stream)
-    assert cache.k is buffer
-    changed = torch.nonzero((cache.k != before).any(dim=4).any(dim=2).any(dim=1).any(dim=0))[:, 0]  # slots written
+    after = session.cache.k[:, :, :, : before.shape[3]]  # (a grown cache keeps its first slots in place)
+    changed = torch.nonzero((after != before).any(dim=4).any(dim=2).any(dim=1).any(dim=0))[:, 0]  # slots written
     assert 1 <= len(changed) <= draft.cfg.block_size
     assert changed.min() == 6  # right after the prompt: the anchor's slot
+
+
+def _poison(buffer: torch.Tensor, row: int, slots: slice, seed: int) -> None:
+    """Large values in [:, row, :, slots] of a cache buffer, written in place."""
+    view = buffer[:, row, :, slots]
+    g = torch.Generator().manual_seed(seed)
+    view.copy_(1000.0 * torch.randn(view.shape, generator=g).to(view.dtype))
+
+
+def test_engine_calls_read_the_sessions_cache_buffer(bigram_case, monkeypatch):
+    """The engine reads the session's cache buffer itself, in place: values written into a
+    valid slot of ``session.cache`` between two generates change that row's next tokens (and
+    only that row's), values past the valid length change nothing, and every cache input ONNX
+    Runtime was bound to is the buffer's own memory (no copy, per call or kept)."""
+    import onnxruntime.capi.onnxruntime_inference_collection as ort_api
+
+    bound: dict[str, set[int]] = {}  # cache input -> every address it was bound to
+    real_bind, real_bind_value = ort_api.IOBinding.bind_input, ort_api.IOBinding.bind_ortvalue_input
+
+    def bind_input(io, name, device_type, device_id, element_type, shape, buffer_ptr):
+        bound.setdefault(name, set()).add(buffer_ptr)
+        return real_bind(io, name, device_type, device_id, element_type, shape, buffer_ptr)
+
+    def bind_ortvalue_input(io, name, value):
+        bound.setdefault(name, set()).add(value.data_ptr())
+        return real_bind_value(io, name, value)
+
+    monkeypatch.setattr(ort_api.IOBinding, "bind_input", bind_input)
+    monkeypatch.setattr(ort_api.IOBinding, "bind_ortvalue_input", bind_ortvalue_input)
+
+    hf, _, _, engine = bigram_case
+    prompts = _prompts(13, (6, 11), 64)
+    clean, valid, past = (engine.session(prompts) for _ in range(3))
+    for session in (clean, valid, past):
+        session.generate(SamplingParams(max_new_tokens=8))
+    lengths = clean.cache_len
+    assert valid.cache_len == past.cache_len == lengths and min(lengths) > 0
+    for buffer in (valid.cache.k, valid.cache.v):  # row 0's cached tokens, every layer
+        _poison(buffer, 0, slice(0, lengths[0]), seed=1)
+    assert all(past.cache.capacity > n for n in lengths)  # room past the valid entries to poison
+    for row, n in enumerate(lengths):  # everything past each row's valid length
+        for buffer in (past.cache.k, past.cache.v):
+            _poison(buffer, row, slice(n, None), seed=2)
+    context = [list(t) for t in clean.tokens]
+    want = clean.generate(SamplingParams(max_new_tokens=12)).output_ids
+    assert want == [hf_greedy(hf, c, 12) for c in context]
+    got = valid.generate(SamplingParams(max_new_tokens=12)).output_ids
+    assert got[0] != want[0], "the poisoned cache entries of row 0 were not read: the engine ran on a copy"
+    assert got[1] == want[1]  # row 1's entries are untouched
+    assert past.generate(SamplingParams(max_new_tokens=12)).output_ids == want  # past the length: never read
+
+    # what ORT read: each session's own buffers (layer i's slice), nothing else (the caches never grew here)
+    sessions = (clean, valid, past)
+    for i in range(clean.cache.k.shape[0]):
+        for kind in ("key", "value"):
+            buffers = {(s.cache.k if kind == "key" else s.cache.v)[i].data_ptr() for s in sessions}
+            assert bound.get(f"past_{kind}.{i}") == buffers, f"past_{kind}.{i} was bound to a copy of the cache"
 
 
 def test_sessions_on_one_engine_interleave(bigram_case):

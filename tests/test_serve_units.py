@@ -1,20 +1,26 @@
 """Serving without a server: request parsing and its errors, the generated Triton config, and the
-request runner (batched greedy requests, stops, streaming) against target-only greedy decoding."""
+request runner (batched greedy requests, stops, streaming) against target-only greedy decoding.
+
+The engine serves the bundled trained pair, whose drafts are often accepted (steps keep 1..8
+tokens), so stops land inside multi-token steps and the acceptance statistics count real drafts."""
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import numpy as np
 import pytest
-from helpers import hf_greedy
+from helpers import cut_at_stop_string, hf_greedy, stop_inside_a_step, stop_string_inside_a_step
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dlite_trt.bundled import bundled_pair
 from dlite_trt.engine.build import BuildSettings, build_engine
 from dlite_trt.engine.load import load_engine
 from dlite_trt.engine.manifest import load_manifest
 from dlite_trt.errors import DLiteError
 from dlite_trt.export.contract import EngineLimits
+from dlite_trt.runtime.session import SamplingParams
 from dlite_trt.serve.generation import Reply, RequestRunner
 from dlite_trt.serve.protocol import INPUTS, Request, parse_request
 from dlite_trt.serve.triton_repo import render_config, write_repository
@@ -72,9 +78,9 @@ def test_parse_rejects_unknown_parameters_and_missing_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_pair, tmp_path_factory):
+def engine(tmp_path_factory):
     out = tmp_path_factory.mktemp("units") / "engine"
-    build_engine(*tiny_pair, out, BuildSettings(limits=EngineLimits(max_batch=2, max_seq_len=256, max_chunk=64)),
+    build_engine(*bundled_pair(), out, BuildSettings(limits=EngineLimits(max_batch=2, max_seq_len=256, max_chunk=64)),
                  progress=False)
     return out
 
@@ -113,24 +119,46 @@ def test_write_repository(engine, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def served(engine, tiny_pair):
-    hf = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
-    return RequestRunner(load_engine(engine)), hf, AutoTokenizer.from_pretrained(tiny_pair[0])
+def served(engine):
+    target = bundled_pair()[0]
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    return RequestRunner(load_engine(engine)), hf, AutoTokenizer.from_pretrained(target)
 
 
 def _ids(seed: int, n: int) -> tuple[int, ...]:
     return tuple(int(t) for t in np.random.default_rng(seed).integers(5, 500, n))
 
 
+def _alone(server, request: Request, **params):
+    """The engine's own speculative generate of one request (no serving code): ids and per-step records."""
+    params = {"max_new_tokens": request.max_tokens, "temperature": request.temperature, "seed": request.seed} | params
+    result = server.generator.session([list(request.prompt)]).generate(SamplingParams(**params))
+    return result.output_ids[0], [(s.kept[0], s.accepted[0], len(s.draft_tokens[0])) for s in result.steps]
+
+
+def _check_statistics(reply: Reply, steps: list[tuple[int, int, int]]) -> None:
+    """The reply's figures are those of ``steps`` (kept, n, K per step, from an independent run):
+    per-step kept tokens plus the prefill's token are the output."""
+    assert sum(k for k, _, _ in steps) + 1 == len(reply.output_ids)
+    assert reply.accepted == sum(min(n, k) for k, n, _ in steps) > 0
+    assert reply.proposed == sum(p for _, _, p in steps)
+    assert reply.mean_acceptance_length == pytest.approx((len(reply.output_ids) - 1) / len(steps))
+
+
 def test_batched_greedy_requests_equal_each_alone(served):
     server, hf, _ = served
-    requests = [Request(_ids(i, 4 + 7 * i), max_tokens=m, ignore_eos=True) for i, m in enumerate((20, 7, 0, 13, 1))]
+    requests = [Request(_ids(i, 4 + 7 * i), max_tokens=m, ignore_eos=True) for i, m in enumerate((40, 7, 0, 33, 1))]
     replies = server.run(requests)  # 4 greedy requests with tokens: two engine batches (max batch 2)
     for request, reply in zip(requests, replies, strict=True):
         want = hf_greedy(hf, list(request.prompt), request.max_tokens) if request.max_tokens else []
         assert reply.output_ids == want
-        assert reply.accepted <= reply.proposed
+        if request.max_tokens > 1:  # its figures: the request's own steps, cut at its own max_tokens
+            ids, steps = _alone(server, request)
+            assert ids == want
+            _check_statistics(reply, steps)
+    assert max(k for k, _, _ in replies[0].steps) >= 3  # drafts were accepted, several in one step
     assert replies[2].output_ids == [] and replies[2].text == ""
+    assert replies[4].output_ids == want[:1] and replies[4].accepted == replies[4].proposed == 0  # the prefill's
 
 
 def test_stops(served):
@@ -148,17 +176,80 @@ def test_stops(served):
     assert stop not in tok.decode(reply.output_ids[:-1], skip_special_tokens=True)
 
 
-def test_streaming_pieces_add_up_to_the_whole(served):
+def _streamed(server, request: Request) -> tuple[list[int], str, Reply, int]:
+    pieces = list(server.stream(request))
+    ids = [t for _, new, _ in pieces for t in new]
+    return ids, "".join(delta for delta, _, _ in pieces), pieces[-1][2], len(pieces)
+
+
+def test_stops_inside_a_multi_token_step(served):
+    """A stop token and a stop string chosen at the first token of a step that accepted >= 2
+    drafts: the batched and the streamed output end there, as target-only greedy cut at that
+    place, and the cut step counts only the draft it kept."""
     server, hf, tok = served
-    for request in (Request(_ids(5, 8), 30, ignore_eos=True), Request(_ids(6, 8), 30, temperature=0.8, seed=1)):
-        pieces = list(server.stream(request))
-        assert len(pieces) > 1
-        ids = [t for _, new, _ in pieces for t in new]
-        text = "".join(delta for delta, _, _ in pieces)
-        whole = server.run([request])[0]  # sampled with the same seed: the same tokens
-        assert ids == whole.output_ids and text == whole.text == tok.decode(ids, skip_special_tokens=True)
-        assert pieces[-1][2].steps == whole.steps
-    assert ids != hf_greedy(hf, list(_ids(6, 8)), 30)  # the sampled one really sampled
+    prompt, n = _ids(3, 10), 60
+    full = hf_greedy(hf, list(prompt), n)
+    ids, steps = _alone(server, Request(prompt, n, ignore_eos=True))
+    assert ids == full
+    kept = [k for k, _, _ in steps]
+    step, at = stop_inside_a_step(kept, full)
+    want_steps = [*steps[:step], (1, steps[step][1], steps[step][2])]  # the cut step keeps d_1 only
+    request = Request(prompt, n, stop_token_ids=(full[at],), ignore_eos=True)
+    want = full[: full.index(full[at]) + 1]
+    batched, (streamed, _, reply, _) = server.run([request])[0], _streamed(server, request)
+    assert batched.output_ids == streamed == reply.output_ids == want
+    _check_statistics(batched, want_steps)
+    _check_statistics(reply, want_steps)
+
+    decode = partial(tok.decode, skip_special_tokens=True)
+    step, at, stop = stop_string_inside_a_step(decode, kept, full)
+    want_steps = [*steps[:step], (1, steps[step][1], steps[step][2])]
+    want_ids, want_text = cut_at_stop_string(decode, full, stop)
+    assert want_ids == full[: at + 1]
+    request = Request(prompt, n, stop=(stop,), ignore_eos=True)
+    batched, (streamed, text, reply, _) = server.run([request])[0], _streamed(server, request)
+    assert batched.output_ids == streamed == want_ids and batched.text == text == reply.text == want_text
+    _check_statistics(batched, want_steps)
+    _check_statistics(reply, want_steps)
+
+
+def test_streaming_pieces_add_up_to_the_whole(served):
+    """The pieces against what does not stream: greedy, the batched path (it never calls stream);
+    sampled, the engine's own generate with the same seed, decoded by the tokenizer."""
+    server, hf, tok = served
+    greedy = Request(_ids(5, 8), 40, ignore_eos=True)
+    ids, text, reply, pieces = _streamed(server, greedy)
+    whole = server.run([greedy, Request(_ids(7, 8), 40, ignore_eos=True)])[0]  # an engine batch of two
+    assert ids == whole.output_ids == hf_greedy(hf, list(greedy.prompt), 40)
+    assert text == whole.text == tok.decode(ids, skip_special_tokens=True)
+    assert list(reply._kept_steps()) == list(whole._kept_steps()) and reply.accepted > 0
+    assert pieces >= len(reply.steps) + 1  # one piece per engine call
+
+    sampled = Request(_ids(6, 8), 40, temperature=0.8, seed=1, ignore_eos=True)
+    ids, text, reply, pieces = _streamed(server, sampled)
+    want, steps = _alone(server, sampled)
+    assert ids == want and text == tok.decode(want, skip_special_tokens=True)
+    assert reply.steps == steps and pieces >= len(steps) + 1
+    assert want != hf_greedy(hf, list(sampled.prompt), 40)  # it really sampled
+
+
+def test_one_failing_request_does_not_fail_the_others(served):
+    """The test-only fault hook fails the engine batch that holds one prompt: that request gets
+    the exception, the greedy request batched with it and a sampled one their replies."""
+    server, hf, _ = served
+    bad, good, sampled = (Request(_ids(60, 6), 12, ignore_eos=True), Request(_ids(61, 9), 20, ignore_eos=True),
+                          Request(_ids(62, 7), 10, temperature=0.7, seed=3, ignore_eos=True))
+    assert server._greedy_batches([bad, good]) == [[0, 1]]  # one engine batch
+    server.fault_prompt = bad.prompt
+    try:
+        results = server.run_each([bad, good, sampled])
+        with pytest.raises(RuntimeError, match="injected test fault"):
+            server.run([good, bad])
+    finally:
+        server.fault_prompt = None
+    assert isinstance(results[0], RuntimeError) and "injected test fault" in str(results[0])
+    assert results[1].output_ids == hf_greedy(hf, list(good.prompt), 20)
+    assert results[2].output_ids == _alone(server, sampled)[0]
 
 
 def test_a_long_and_a_short_prompt_are_not_batched_past_the_engine(served):

@@ -13,6 +13,8 @@ from dlite_trt.engine.tensorrt_build import profile_shapes
 from dlite_trt.export.contract import EngineLimits, cache_capacity_max, engine_contract
 from dlite_trt.tiny_models import tiny_target_spec
 
+FLOAT_KEYS, INT_KEYS = {"max_abs_diff", "mean_abs_diff"}, {"differing", "of"}
+
 
 def _has_tensorrt() -> bool:
     try:
@@ -52,6 +54,75 @@ def test_optimization_profile_covers_the_limits():
     assert decode["input_ids"][2] == (6, 64) and decode["output_index"][2] == (6, 64)
     static = [t.name for t in contract["step"].inputs if all(isinstance(d, int) for d in t.dims)]
     assert not set(static) & set(step)  # static inputs need no profile
+
+
+def assert_report_within(report: dict, contract: dict, graphs: tuple[str, ...], atol: float) -> None:
+    """``compare_graphs``'s report covers exactly ``graphs`` and each graph's outputs, with the
+    keys of its dtype: float outputs differ by less than ``atol``, integer outputs nowhere.
+    A missing graph, output or key fails (it is never read as a zero difference)."""
+    assert sorted(report) == sorted(graphs), sorted(report)
+    for graph in graphs:
+        spec = contract[graph]
+        assert list(report[graph]) == spec.output_names, (graph, list(report[graph]))
+        for t in spec.outputs:
+            diff = report[graph][t.name]
+            if t.dtype.startswith(("float", "bfloat")):
+                assert set(diff) == FLOAT_KEYS, (graph, t.name, diff)
+                assert diff["max_abs_diff"] < atol and diff["mean_abs_diff"] <= diff["max_abs_diff"], \
+                    (graph, t.name, diff)
+            else:
+                assert set(diff) == INT_KEYS, (graph, t.name, diff)
+                assert diff["differing"] == 0 and diff["of"] > 0, (graph, t.name, diff)
+
+
+def test_the_report_check_fails_on_a_missing_key_output_or_difference():
+    """What the TensorRT comparison below relies on, run here: the check passes a complete
+    report within tolerance and fails on each way a report can hide a difference."""
+    import copy
+
+    import numpy as np
+
+    from dlite_trt.runtime.compare import _difference
+
+    spec = tiny_target_spec(64)
+    cfg = DraftConfig.for_target(spec, num_hidden_layers=2, chs_num_layers=3, mask_token_id=3, block_size=4,
+                                 anchor_group_size=2)
+    contract = engine_contract(spec, cfg, EngineLimits(max_batch=2, max_seq_len=64, max_chunk=8), "fp32")
+    graphs = ("prefill", "step", "decode")
+    rng = np.random.default_rng(0)
+
+    def value(t, noise):
+        dims = tuple(d if isinstance(d, int) else 3 for d in t.dims)
+        if t.dtype.startswith("float"):
+            x = rng.standard_normal(dims).astype(t.dtype)
+            return x, x + np.asarray(noise, x.dtype)
+        x = rng.integers(0, 64, dims).astype(t.dtype)
+        return x, x.copy()
+
+    good = {g: {t.name: _difference(*value(t, 1e-5)) for t in contract[g].outputs} for g in graphs}
+    assert_report_within(good, contract, graphs, atol=1e-3)
+    float_out = next(t.name for t in contract["step"].outputs if t.dtype == "float32")
+    int_out = next(t.name for t in contract["step"].outputs if t.dtype == "int64")
+    broken = []
+    for graph, name, key in (("step", float_out, "max_abs_diff"), ("step", int_out, "differing")):
+        bad = copy.deepcopy(good)
+        del bad[graph][name][key]  # a difference that was never measured
+        broken.append(bad)
+    bad = copy.deepcopy(good)
+    del bad["decode"]["next_tokens"]  # an output that was never compared
+    broken.append(bad)
+    bad = copy.deepcopy(good)
+    del bad["prefill"]  # a graph that was never compared
+    broken.append(bad)
+    bad = copy.deepcopy(good)
+    bad["step"][int_out]["differing"] = 1  # one differing token
+    broken.append(bad)
+    bad = copy.deepcopy(good)
+    bad["step"][float_out]["max_abs_diff"] = 1e-2  # past the tolerance
+    broken.append(bad)
+    for bad in broken:
+        with pytest.raises(AssertionError):
+            assert_report_within(bad, contract, graphs, atol=1e-3)
 
 
 @pytest.mark.tensorrt
@@ -117,10 +188,9 @@ def test_tensorrt_engine_decodes_the_target_greedy_output(trt_and_ort_engines, t
     for prompt in ([5, 6, 7, 8, 9], [11, 12], list(range(20, 60))):
         got = trt_gen.generate([prompt], SamplingParams(max_new_tokens=24)).output_ids[0]
         assert got == hf_greedy(tiny_pair[0], prompt, 24)
-    report = compare_graphs(ort_gen, trt_gen, graphs=("prefill", "step", "decode"))
-    for graph, outputs in report.items():
-        for name, diff in outputs.items():
-            assert diff.get("differing", 0) == 0 and diff.get("max_abs_diff", 0.0) < 1e-3, (graph, name, diff)
+    graphs = ("prefill", "step", "decode")
+    report = compare_graphs(ort_gen, trt_gen, graphs=graphs)
+    assert_report_within(report, ort_gen.manifest.contract, graphs, atol=1e-3)
     if cuda_graphs:
         assert trt_gen.runner.graphs.replays > 0 and not trt_gen.runner.graphs.failed
 

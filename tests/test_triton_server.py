@@ -1,12 +1,18 @@
-"""A real Triton Inference Server (started and stopped here, on 127.0.0.1) serving a tiny engine:
-HTTP and gRPC requests return exactly the target-only greedy output, streaming returns the same
-tokens in order, 16 concurrent clients are all served, malformed requests get clear errors and
-the server keeps serving, and nothing is left running after shutdown."""
+"""A real Triton Inference Server (started and stopped here, on 127.0.0.1) serving an engine of the
+bundled trained pair (its drafts are often accepted, several per step): HTTP and gRPC requests
+return exactly the target-only greedy output with acceptance statistics that add up, streaming
+returns the same tokens in order, stops inside a multi-token step cut there, 16 concurrent
+clients are all served, malformed requests get clear errors and the server keeps serving, a
+request that fails in the engine fails alone, a cancelled stream stops and frees the instance,
+and nothing is left running after shutdown."""
 
 from __future__ import annotations
 
 import json
 import queue
+import re
+import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -14,11 +20,14 @@ from functools import partial
 
 import numpy as np
 import pytest
-from helpers import hf_greedy
+from helpers import cut_at_stop_string, hf_greedy, stop_inside_a_step, stop_string_inside_a_step
 
+from dlite_trt.bundled import bundled_pair
 from dlite_trt.engine.build import BuildSettings, build_engine
+from dlite_trt.engine.manifest import load_manifest
 from dlite_trt.export.contract import EngineLimits
 from dlite_trt.serve.server import TritonServer, free_port, group_members, port_free
+from dlite_trt.serve.triton_model import FAULT_PROMPT_ENV
 from dlite_trt.serve.triton_repo import write_repository
 
 httpclient = pytest.importorskip("tritonclient.http", reason="needs dlite-trt[triton]")
@@ -26,12 +35,13 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs dlite-trt[tr
 pytest.importorskip("pytriton", reason="needs dlite-trt[triton] (nvidia-pytriton bundles the server)")
 
 MAX_SEQ_LEN = 256
+FAULT_PROMPT = [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 3]  # the test-only fault hook fails this prompt (and no other)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_pair, tmp_path_factory):
+def engine(tmp_path_factory):
     out = tmp_path_factory.mktemp("served") / "engine"
-    build_engine(*tiny_pair, out, BuildSettings(limits=EngineLimits(max_batch=4, max_seq_len=MAX_SEQ_LEN,
+    build_engine(*bundled_pair(), out, BuildSettings(limits=EngineLimits(max_batch=4, max_seq_len=MAX_SEQ_LEN,
                                                                     max_chunk=64)), progress=False)
     return out
 
@@ -49,34 +59,93 @@ def _ports() -> dict:
 
 @pytest.fixture(scope="module")
 def server(repo):
-    server = TritonServer(repo, **_ports()).start()
+    server = TritonServer(repo, **_ports(), env={FAULT_PROMPT_ENV: ",".join(map(str, FAULT_PROMPT))}).start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_pair):
+def oracle():
     """Target-only greedy continuations from transformers, and the tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
-    return partial(hf_greedy, hf), AutoTokenizer.from_pretrained(tiny_pair[0])
+    target = bundled_pair()[0]
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    return partial(hf_greedy, hf), AutoTokenizer.from_pretrained(target)
+
+
+@pytest.fixture(scope="module")
+def proposals(engine) -> int:
+    """Drafts each speculative step proposes (K)."""
+    return load_manifest(engine).draft_config.num_proposals
 
 
 def _prompt(i: int, n: int = 12) -> list[int]:
     return [int(t) for t in np.random.default_rng(i).integers(5, 500, n)]
 
 
-def _http_infer(server, prompt, max_tokens, **extra):
-    client = httpclient.InferenceServerClient(server.http_url)
+def _inputs(module, prompt, max_tokens, more=()):
     inputs = []
     for name, value, dtype in (("input_ids", np.array([prompt], np.int64), "INT64"),
                                ("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
-                               ("ignore_eos", np.array([[True]]), "BOOL"), *extra.get("more", ())):
-        t = httpclient.InferInput(name, list(value.shape), dtype)
+                               ("ignore_eos", np.array([[True]]), "BOOL"), *more):
+        t = module.InferInput(name, list(value.shape), dtype)
         t.set_data_from_numpy(value)
         inputs.append(t)
-    return client.infer("dlite", inputs)
+    return inputs
+
+
+def _http_infer(server, prompt, max_tokens, **extra):
+    client = extra.get("client") or httpclient.InferenceServerClient(server.http_url)
+    return client.infer("dlite", _inputs(httpclient, prompt, max_tokens, extra.get("more", ())))
+
+
+def _stop_token(token: int) -> tuple:
+    return ("stop_token_ids", np.array([[token]], np.int64), "INT64")
+
+
+def _stop_string(stop: str) -> tuple:
+    return ("stop", np.array([[stop.encode()]], dtype=np.object_), "BYTES")
+
+
+def _sampled(temperature: float, seed: int) -> tuple:
+    return (("temperature", np.array([[temperature]], np.float32), "FP32"),
+            ("seed", np.array([[seed]], np.int64), "INT64"))
+
+
+def _stats_of(result) -> dict:
+    return {name: result.as_numpy(name).item()
+            for name in ("accepted_draft_tokens", "proposed_draft_tokens", "mean_acceptance_length")}
+
+
+def _grpc_stream(server, prompt, max_tokens, more=()) -> tuple[list[list[int]], str, dict]:
+    """A gRPC stream to dlite_stream: each response's ids (one per engine call), the text, the last
+    statistics."""
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer("dlite_stream", _inputs(grpcclient, prompt, max_tokens, more),
+                                  enable_empty_final_response=True)
+        pieces, text, stats = [], "", {}
+        while True:
+            result, error = responses.get(timeout=60)
+            assert error is None, str(error)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return pieces, text, stats
+            pieces.append(result.as_numpy("output_ids").reshape(-1).tolist())
+            text += result.as_numpy("text_output").reshape(-1)[0].decode()
+            stats = _stats_of(result)
+    finally:
+        client.stop_stream()
+
+
+def _check_statistics(stats: dict, output: list[int], steps: int, proposals: int) -> None:
+    """``steps`` speculative steps after the prefill made ``output``: the figures add up to it."""
+    assert stats["mean_acceptance_length"] == pytest.approx((len(output) - 1) / steps)
+    assert stats["proposed_draft_tokens"] == proposals * steps
+    # every step keeps its n drafts and a bonus token, but the last may be cut before its bonus
+    assert 0 < len(output) - 1 - steps <= stats["accepted_draft_tokens"] <= len(output) - steps
 
 
 def _post(server, path: str, body: dict) -> tuple[int, dict]:
@@ -88,13 +157,16 @@ def _post(server, path: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_http_infer_equals_target_only_greedy(server, oracle):
+def test_http_infer_equals_target_only_greedy(server, oracle, proposals):
     greedy, _ = oracle
     for i in range(3):
         prompt = _prompt(i, 5 + 9 * i)
-        result = _http_infer(server, prompt, 24)
-        assert result.as_numpy("output_ids").reshape(-1).tolist() == greedy(prompt, 24)
-        assert result.as_numpy("proposed_draft_tokens").item() >= result.as_numpy("accepted_draft_tokens").item()
+        result = _http_infer(server, prompt, 48)
+        output = result.as_numpy("output_ids").reshape(-1).tolist()
+        assert output == greedy(prompt, 48)
+        steps, _, _ = _grpc_stream(server, prompt, 48)  # the same request's engine steps
+        assert [t for piece in steps for t in piece] == output
+        _check_statistics(_stats_of(result), output, len(steps) - 1, proposals)
 
 
 def test_http_generate_endpoint_with_text(server, oracle):
@@ -121,32 +193,48 @@ def test_grpc_infer_equals_target_only_greedy(server, oracle):
     assert result.as_numpy("output_ids").reshape(-1).tolist() == greedy(prompt, 32)
 
 
-def test_grpc_streaming_sends_the_same_tokens_in_order(server, oracle):
+def test_grpc_streaming_sends_the_same_tokens_in_order(server, oracle, proposals):
     greedy, tok = oracle
     prompt = _prompt(11, 9)
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    inputs = [grpcclient.InferInput("input_ids", [1, len(prompt)], "INT64"),
-              grpcclient.InferInput("max_tokens", [1, 1], "INT32"), grpcclient.InferInput("ignore_eos", [1, 1], "BOOL")]
-    inputs[0].set_data_from_numpy(np.array([prompt], np.int64))
-    inputs[1].set_data_from_numpy(np.array([[40]], np.int32))
-    inputs[2].set_data_from_numpy(np.array([[True]]))
-    client.async_stream_infer("dlite_stream", inputs, enable_empty_final_response=True)
-    ids, text, pieces = [], "", 0
-    while True:
-        result, error = responses.get(timeout=60)
-        assert error is None, str(error)
-        if result.get_response().parameters["triton_final_response"].bool_param:
-            break
-        ids += result.as_numpy("output_ids").reshape(-1).tolist()
-        text += result.as_numpy("text_output").reshape(-1)[0].decode()
-        pieces += 1
-    client.stop_stream()
+    pieces, text, stats = _grpc_stream(server, prompt, 40)
+    ids = [t for piece in pieces for t in piece]
     want = greedy(prompt, 40)
     assert ids == want
     assert text == tok.decode(want, skip_special_tokens=True)
-    assert 1 < pieces <= 40  # one response per engine step
+    assert 1 < len(pieces) < 40 and len(pieces[0]) == 1  # one response per engine call, some steps keep several
+    _check_statistics(stats, ids, len(pieces) - 1, proposals)
+
+
+def test_stops_inside_a_multi_token_step(server, oracle, proposals):
+    """A stop token and a stop string at the first token of a step that accepted >= 2 drafts
+    (found from a first stream's responses, one per step): over HTTP (the batched path) and a
+    gRPC stream the output ends there, as target-only greedy cut at that place, and the cut
+    step counts the one draft it kept."""
+    greedy, tok = oracle
+    prompt, n = _prompt(12, 10), 80
+    pieces, _, _ = _grpc_stream(server, prompt, n)
+    full = greedy(prompt, n)
+    assert [t for piece in pieces for t in piece] == full
+    kept = [len(piece) for piece in pieces[1:]]
+    decode = partial(tok.decode, skip_special_tokens=True)
+    token_step, at = stop_inside_a_step(kept, full)
+    text_step, text_at, stop = stop_string_inside_a_step(decode, kept, full)
+    cut_ids, cut_text = cut_at_stop_string(decode, full, stop)
+    assert cut_ids == full[: text_at + 1]
+    cases = [(_stop_token(full[at]), full[: at + 1], decode(full[: at + 1]), token_step),
+             (_stop_string(stop), cut_ids, cut_text, text_step)]
+    for more, want_ids, want_text, step in cases:
+        # the steps before the cut one keep n + 1 tokens each; the cut one keeps its first draft
+        want_stats = {"accepted_draft_tokens": sum(kept[:step]) - step + 1,
+                      "proposed_draft_tokens": proposals * (step + 1),
+                      "mean_acceptance_length": pytest.approx((len(want_ids) - 1) / (step + 1))}
+        result = _http_infer(server, prompt, n, more=[more])
+        assert result.as_numpy("output_ids").reshape(-1).tolist() == want_ids
+        assert result.as_numpy("text_output").reshape(-1)[0].decode() == want_text
+        assert _stats_of(result) == want_stats
+        streamed, text, stats = _grpc_stream(server, prompt, n, [more])
+        assert [t for piece in streamed for t in piece] == want_ids and text == want_text
+        assert stats == want_stats
 
 
 def test_sixteen_concurrent_clients(server, oracle):
@@ -239,6 +327,76 @@ def test_grpc_errors_are_invalid_argument(server):
         client.infer("dlite", [n])
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert "exactly one of text_input" in err.value.message()
+
+
+def _cancel_lines(server) -> list[tuple[int, int]]:
+    """(tokens made, max_tokens) of every stream the model logged as cancelled by its client."""
+    pattern = r"stream cancelled by its client after (\d+) of max_tokens (\d+) tokens"
+    return [(int(a), int(b)) for a, b in re.findall(pattern, server.log_path.read_text(errors="replace"))]
+
+
+def test_a_cancelled_stream_stops_and_frees_the_instance(server, oracle):
+    """A gRPC client cancels its stream after the first response: the model stops at its next
+    step, far short of max_tokens (it logs how far it got), and its only instance serves the next
+    request. Without the check the stream would run all its steps and log nothing."""
+    greedy, _ = oracle
+    prompt, n = _prompt(90, 12), 240
+    before = _cancel_lines(server)
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer("dlite_stream", _inputs(grpcclient, prompt, n), enable_empty_final_response=True)
+    result, error = responses.get(timeout=60)
+    client.stop_stream(cancel_requests=True)  # at once: the whole stream takes well under a second
+    assert error is None and result.as_numpy("output_ids").reshape(-1).tolist() == greedy(prompt, 1)
+    pieces, _, _ = _grpc_stream(server, _prompt(91, 6), 8)  # the same (only) instance
+    assert [t for piece in pieces for t in piece] == greedy(_prompt(91, 6), 8)
+    deadline = time.monotonic() + 30  # the stub's log lines reach the server's log asynchronously
+    while len(after := _cancel_lines(server)) == len(before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(after) == len(before) + 1, server.log_tail(20)
+    (made, limit), = after[len(before):]
+    assert limit == n and 1 <= made < n // 4, (made, limit)
+
+
+def _batch_sizes(server) -> dict[int, int]:
+    """Executions of the dlite model per batch size so far."""
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/dlite/stats", timeout=10) as r:
+        stats = json.loads(r.read())["model_stats"][0]
+    return {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])}
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(server, oracle):
+    """The test-only fault hook (FAULT_PROMPT fails inside its engine run) in one Triton batch with
+    a greedy request (the same engine batch) and a sampled one: only it gets an error; the others
+    are answered as when alone. Repeated until the three arrived in one Triton batch."""
+    from tritonclient.utils import InferenceServerException
+
+    greedy, _ = oracle
+    sampled_prompt = _prompt(93, 9)
+    sampled_alone = _http_infer(server, sampled_prompt, 12, more=_sampled(0.8, 5)).as_numpy("output_ids")
+    jobs = [(FAULT_PROMPT, 8, ()), (_prompt(92, 7), 16, ()), (sampled_prompt, 12, _sampled(0.8, 5))]
+
+    def send(job, barrier):
+        client = httpclient.InferenceServerClient(server.http_url)  # in its own thread: gevent's clients are per thread
+        barrier.wait()  # all at once: Triton's dynamic batcher puts them in one batch
+        try:
+            return _http_infer(server, job[0], job[1], more=job[2], client=client).as_numpy("output_ids")
+        except InferenceServerException as exc:
+            return exc
+
+    for _ in range(10):
+        before, barrier = _batch_sizes(server), threading.Barrier(len(jobs))
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            failed, good, sampled = pool.map(send, jobs, [barrier] * len(jobs))
+        assert isinstance(failed, InferenceServerException), failed
+        assert "injected test fault" in failed.message() and failed.status() == "500"
+        assert good.reshape(-1).tolist() == greedy(_prompt(92, 7), 16)
+        assert sampled.tolist() == sampled_alone.tolist()
+        after = _batch_sizes(server); print("DELTA", before, after)
+        if {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {len(jobs): 1}:
+            return  # they were one batch, and only the failing one failed
+    pytest.fail("the three requests never arrived in one Triton batch")
 
 
 def test_serve_command_runs_until_ctrl_c(engine, tmp_path):

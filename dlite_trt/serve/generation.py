@@ -5,16 +5,20 @@ Greedy output does not depend on the batch it runs in nor on how far the batch r
 requests run together (packed so the batch fits the engine's --max-seq-len, and sharing the
 engine's end tokens unless they ignore them), to the batch's longest ``max_tokens``; each
 request's tokens are then cut at its own ``max_tokens``, stop tokens and stop strings: exactly
-what the request alone gives. Sampled requests (their own seeds) run alone.
+what the request alone gives. Sampled requests (their own seeds) run alone. A request that fails
+(its engine batch raised) gets its own error and the others their replies: a failed batch is
+re-run one request at a time, which greedy output allows.
 
 A stop string ends the output where it first completes: the text is cut before it, the ids keep
 the tokens that complete it. Streaming holds back text that could be the start of a stop string
 or half of a character split across tokens, so the streamed text always equals the final text.
+Closing a stream early (a client that cancelled) closes its engine session: no further step runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +30,7 @@ from dlite_trt.serve.protocol import Request
 class Reply:
     output_ids: list[int]
     text: str
-    steps: list[tuple[int, int, int]] = field(default_factory=list)  # per step: (tokens emitted, n, K proposed)
+    steps: list[tuple[int, int, int]] = field(default_factory=list)  # per step: (tokens kept, n, K proposed)
 
     def _kept_steps(self) -> Iterator[tuple[int, int, int]]:
         """(tokens kept, drafts accepted and kept, drafts proposed) per step whose tokens are in the output."""
@@ -62,6 +66,7 @@ class RequestRunner:
         self.engine_stops = tuple(loaded.stop_token_ids)
         limits = self.generator.manifest.limits
         self.max_batch, self.max_seq_len = limits.max_batch, limits.max_seq_len
+        self.fault_prompt: tuple[int, ...] | None = None  # tests only: see _session
 
     def stop_ids(self, request: Request) -> tuple[int, ...]:
         return (() if request.ignore_eos else self.engine_stops) + request.stop_token_ids
@@ -71,24 +76,62 @@ class RequestRunner:
 
     # -- whole replies ---------------------------------------------------------------------------
     def run(self, requests: Sequence[Request]) -> list[Reply]:
-        """Replies in request order: greedy requests in engine batches, sampled ones alone."""
-        replies: list[Reply | None] = [None] * len(requests)
+        """Replies in request order: greedy requests in engine batches, sampled ones alone. Raises
+        the first failed request's error (``run_each`` answers the others)."""
+        results = self.run_each(requests)
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
+
+    def run_each(self, requests: Sequence[Request]) -> list[Reply | Exception]:
+        """Like ``run``, but a request that fails gets its exception in its place and the others
+        their replies. A failed engine batch is re-run one request at a time (greedy output does
+        not depend on the batch), so only the requests that fail alone get an exception."""
+        results: list[Reply | Exception | None] = [None] * len(requests)
         for rows in self._greedy_batches(requests):
-            group = [requests[i] for i in rows]
-            stops = () if group[0].ignore_eos else self.engine_stops  # shared by the whole group
-            result = self.generator.session([list(r.prompt) for r in group]).generate(
-                SamplingParams(max_new_tokens=max(r.max_tokens for r in group), stop_token_ids=stops))
-            for row, (i, request) in enumerate(zip(rows, group, strict=True)):
-                ids = self._cut_tokens(request, result.output_ids[row])
-                ids, text = self._cut_text(request, ids)
-                steps = [(s.accepted[row] + 1, s.accepted[row], len(s.draft_tokens[row]))
-                         for s in result.steps if s.accepted[row] is not None]
-                replies[i] = Reply(ids, text, steps)
+            for i, result in zip(rows, self._greedy_results([requests[i] for i in rows]), strict=True):
+                results[i] = result
         for i, request in enumerate(requests):
-            if replies[i] is None:
-                pieces = list(self.stream(request))
-                replies[i] = pieces[-1][2] if pieces else Reply([], "")
+            if results[i] is None:
+                results[i] = _attempt(self._run_alone, request)
+        return results
+
+    def _greedy_results(self, group: Sequence[Request]) -> list[Reply | Exception]:
+        """One engine batch's replies; if the batch fails, each request runs again alone, so the
+        others in it are still answered and only a request that fails alone gets an exception."""
+        try:
+            return self._run_greedy(group)
+        except Exception as exc:  # noqa: BLE001 - which request failed it? running each alone tells
+            if len(group) == 1:
+                return [exc]
+        return [_attempt(lambda r: self._run_greedy([r])[0], request) for request in group]
+
+    def _run_greedy(self, group: Sequence[Request]) -> list[Reply]:
+        """One engine batch of greedy requests, to its longest max_tokens; each reply cut at its own."""
+        stops = () if group[0].ignore_eos else self.engine_stops  # shared by the whole group
+        result = self._session([r.prompt for r in group]).generate(
+            SamplingParams(max_new_tokens=max(r.max_tokens for r in group), stop_token_ids=stops))
+        replies = []
+        for row, request in enumerate(group):
+            ids, text = self._cut_text(request, self._cut_tokens(request, result.output_ids[row]))
+            steps = [(s.kept[row], s.accepted[row], len(s.draft_tokens[row]))
+                     for s in result.steps if s.kept[row] is not None]
+            replies.append(Reply(ids, text, steps))
         return replies
+
+    def _run_alone(self, request: Request) -> Reply:
+        final = Reply([], "")
+        for _, _, final in self.stream(request):
+            pass
+        return final
+
+    def _session(self, prompts: Sequence[Sequence[int]]) -> Any:
+        """An engine session on these prompts. ``fault_prompt`` is a test-only fault hook (see
+        ``serve.triton_model``): a session that holds exactly that prompt fails as a broken engine would."""
+        if self.fault_prompt is not None and self.fault_prompt in [tuple(p) for p in prompts]:
+            raise RuntimeError(f"injected test fault: prompt {list(self.fault_prompt)} (DLITE_TRT_TEST_FAULT_PROMPT)")
+        return self.generator.session([list(p) for p in prompts])
 
     def _greedy_batches(self, requests: Sequence[Request]) -> list[list[int]]:
         """Greedy requests with tokens to make, packed into batches of at most max_batch rows whose
@@ -129,17 +172,25 @@ class RequestRunner:
 
     # -- streaming -------------------------------------------------------------------------------
     def stream(self, request: Request) -> Iterator[tuple[str, list[int], Reply]]:
-        """Yield (new text, new ids, reply so far) as the engine accepts tokens; the last reply is final."""
-        reply, sent = Reply([], ""), 0
+        """Yield (new text, new ids, reply so far) as the engine accepts tokens; the last reply is final.
+
+        Each engine step runs when the next piece is asked for; closing this generator early (the
+        client cancelled) closes the engine's stream, so no further step runs and its session goes.
+        """
         if request.max_tokens == 0:
             return
         params = SamplingParams(max_new_tokens=request.max_tokens, temperature=request.temperature,
                                 seed=request.seed, stop_token_ids=self.stop_ids(request))
-        for event in self.generator.session([list(request.prompt)]).stream(params):
-            new = event.new_tokens[0]
-            if event.record is not None and event.record.accepted[0] is not None:
-                reply.steps.append((len(new), event.record.accepted[0], len(event.record.draft_tokens[0])))
-            reply.output_ids += new
+        with closing(self._session([request.prompt]).stream(params)) as events:
+            yield from self._pieces(request, events)
+
+    def _pieces(self, request: Request, events: Iterator[Any]) -> Iterator[tuple[str, list[int], Reply]]:
+        reply, sent = Reply([], ""), 0
+        for event in events:
+            record = event.record
+            if record is not None and record.kept[0] is not None:
+                reply.steps.append((record.kept[0], record.accepted[0], len(record.draft_tokens[0])))
+            reply.output_ids += event.new_tokens[0]
             full = self.decode(reply.output_ids)
             if any(s in full for s in request.stop):  # a stop string completed in this step: end here
                 reply.output_ids, text = self._cut_text(request, reply.output_ids)
@@ -158,6 +209,14 @@ class RequestRunner:
         text = text.rstrip("\ufffd")
         hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold]
+
+
+def _attempt(run: Any, *args: Any) -> Any:
+    """``run(*args)``, or the exception it raised (it becomes that request's error response)."""
+    try:
+        return run(*args)
+    except Exception as exc:  # noqa: BLE001 - one request's failure is its own answer
+        return exc
 
 
 def _advance(reply: Reply, text: str) -> str:

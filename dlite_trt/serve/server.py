@@ -80,6 +80,7 @@ class TritonServer:
     metrics_port: int = 8002
     host: str = "127.0.0.1"
     log_path: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's (and its backend stubs') environment
     process: subprocess.Popen | None = field(default=None, init=False)
     binary: TritonBinary | None = field(default=None, init=False)
     _work: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
@@ -109,7 +110,7 @@ class TritonServer:
         self.log_path = self.log_path or work / "tritonserver.log"
         log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes it for its whole life
         # its own process group: stopping it reaches every backend stub it started
-        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.binary.env,
+        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.binary.env | self.env,
                                         start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
