@@ -1,5 +1,7 @@
 """`dlite-trt train data | teacher | student` end to end on the tiny pair: the result is a
-dlite_v1 checkpoint the loader takes unchanged, and it decodes losslessly."""
+dlite_v1 checkpoint the loader takes unchanged, and it decodes losslessly. On a target whose
+greedy continuation is learnable in seconds, training raises the acceptance length well above
+the untrained draft's."""
 
 from __future__ import annotations
 
@@ -8,14 +10,15 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import hf_greedy
+from helpers import draft_config, hf_greedy, near_bigram_target, random_draft
 
-from dlite_trt.checkpoint import load_draft
+from dlite_trt.checkpoint import load_draft, save_draft
 from dlite_trt.cli import main
 from dlite_trt.loading import load_pair
 from dlite_trt.runtime.session import SamplingParams
 
 SMALL = ["--seq-len", "32", "--batch-seqs", "2", "--anchors", "4", "--quiet"]
+LEARN_NEW = 24  # answer tokens per prompt, in the data and when measuring
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +48,42 @@ def trained(tiny_pair, tmp_path_factory):
     return target, draft, root, run, common
 
 
+@pytest.fixture(scope="module")
+def learnable(tmp_path_factory):
+    """A target whose greedy next token depends mostly on the current one (a draft can learn it
+    in a few dozen steps), its `train data` from 24 prompts, 8 held-out prompts, random-init
+    drafts of one config (the init among them), and students trained from the init by the
+    CLI on a budget of seconds: two-stage and single-stage."""
+    root = tmp_path_factory.mktemp("learn")
+    hf, spec = near_bigram_target(64, seed=3)
+    hf.save_pretrained(root / "target")
+    cfg = draft_config(spec, block_size=8, anchor_group_size=2)
+    untrained = []
+    for seed in (1, 2, 3):
+        save_draft(random_draft(cfg, seed=seed), root / f"random{seed}")
+        untrained.append(root / f"random{seed}")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, spec.vocab_size, (8,), generator=g).tolist() for _ in range(32)]
+    train_prompts, held_out = prompts[:24], prompts[24:]
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in train_prompts))
+    runner = CliRunner()
+
+    def run(*args):
+        result = runner.invoke(main, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+
+    run("train", "data", "--target", root / "target", "--prompts", root / "prompts.jsonl", "--out", root / "data",
+        "--max-new-tokens", LEARN_NEW)
+    common = ["--target", root / "target", "--data", root / "data", "--init", untrained[0], "--seq-len", "32",
+              "--batch-seqs", "4", "--anchors", "8", "--lr", "1e-2", "--quiet"]
+    run("train", "teacher", *common, "--out", root / "teacher", "--window", "4", "--steps", "20")
+    run("train", "student", *common, "--teacher", root / "teacher", "--out", root / "student",
+        "--stage1-steps", "20", "--stage2-steps", "20")
+    run("train", "student", *common, "--out", root / "single", "--single-stage", "--stage1-steps", "0",
+        "--stage2-steps", "40")
+    return hf, root / "target", untrained, held_out, {name: root / name for name in ("student", "single")}
+
+
 def test_data_is_the_targets_own_greedy_output(trained):
     target, _, root, _, _ = trained
     rows = [json.loads(line) for line in (root / "data" / "sequences.jsonl").read_text().splitlines()]
@@ -54,7 +93,25 @@ def test_data_is_the_targets_own_greedy_output(trained):
         assert row["answer_ids"] == want[: len(row["answer_ids"])] and row["answer_ids"]
 
 
-def test_student_is_a_loadable_lossless_dlite_v1_checkpoint(trained):
+def test_student_is_a_loadable_lossless_dlite_v1_checkpoint(trained, learnable):
+    """Loadable, changed by training and lossless on the tiny pair; and where the target is
+    learnable, trained students accept far more per step than any untrained draft of their
+    config on held-out prompts, still losslessly (so accepted drafts were verified)."""
+    hf, learn_target, untrained, held_out, students = learnable
+    want = [hf_greedy(hf, p, LEARN_NEW) for p in held_out]
+
+    def acceptance(draft_dir) -> float:
+        result = load_pair(learn_target, draft_dir).generator.generate(held_out,
+                                                                       SamplingParams(max_new_tokens=LEARN_NEW))
+        assert result.output_ids == want
+        return result.mean_acceptance_length()
+
+    baseline = max(acceptance(d) for d in untrained)  # random drafts: ~1 token per step
+    assert baseline < 1.5, baseline
+    for name, student in students.items():
+        gained = acceptance(student)
+        assert gained >= max(baseline + 1.5, 2 * baseline), (name, gained, baseline)
+
     target, draft, root, _, _ = trained
     for name in ("student", "single"):
         trained_draft = load_draft(root / name)

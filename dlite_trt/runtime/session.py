@@ -78,7 +78,7 @@ class SessionBase:
         for row, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise DLiteError(f"the prompt is empty (sequence {row} of the batch); give at least one token.")
-            self.tokens.append(self._checked(prompt, f"prompt {row}"))
+            self.tokens.append(self._checked(prompt, f"the prompt (sequence {row} of the batch)"))
         self.cache_len = [0] * len(prompts)  # KV entries valid per sequence
         # per-generate progress, reset by _start()
         self._emitted = [0] * len(prompts)
