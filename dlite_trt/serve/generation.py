@@ -121,6 +121,7 @@ class RequestRunner:
         return replies
 
     def _run_alone(self, request: Request) -> Reply:
+        """A sampled (or empty) request: its stream's final reply."""
         final = Reply([], "")
         for _, _, final in self.stream(request):
             pass

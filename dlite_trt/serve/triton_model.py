@@ -9,9 +9,9 @@ asks Triton whether its client cancelled (disconnected, or stopped the stream wi
 if so it stops there and the instance goes on to the next request.
 
 Test-only fault hook: with ``DLITE_TRT_TEST_FAULT_PROMPT`` (comma-separated token ids) in the
-server's environment, a request whose prompt is exactly those ids fails inside its engine run, as
-a broken engine would, so tests of a real server can show one failing request leaves the rest of
-its batch answered. Unset (always, outside tests) it does nothing.
+server's environment, an engine run (a batch or a stream) that holds a prompt of exactly those ids
+raises as a broken engine would, so tests of a real server can show one failing request leaves
+the rest of its batch answered. Unset (always, outside tests) it does nothing.
 """
 
 from __future__ import annotations
