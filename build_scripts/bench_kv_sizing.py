@@ -3,7 +3,8 @@
 
 Side by side in one run, interleaved, medians (this machine is shared and noisy):
 1. the same prompt, the prefill and 10 greedy steps, at max_new_tokens 64 and 16000: the time of
-   the 10 steps (they make the same tokens; the budget must not change their cost);
+   the 10 steps (they make the same tokens; the budget must not change their cost), and at 16000
+   with the cache reserved up front as before, for scale;
 2. at prompts of 256, 2k and 8k tokens (64 new tokens): the prefill and the mean step time with
    the cache sized as the sequence grows (``KVCache.reserve``, today's engine) against the cache
    reserved for prompt + max_new_tokens up front (the sizing before it, reproduced by reserving
@@ -68,13 +69,14 @@ def main(engine_dir: Path, rounds: int, contexts: str, out: Path) -> None:
     loaded = load_engine(engine_dir)
     engine, tokenizer = loaded.generator, loaded.tokenizer
     short = _prompt(tokenizer, 24)
-    budgets = {"64": [], "16000": []}
-    for budget in (64, 16000):  # warm-up: shapes planned, arenas allocated
-        _run(engine, short, budget, 10, upfront=False)
+    cases = {"64": (64, False), "16000": (16000, False), "16000_reserved_up_front": (16000, True)}
+    budgets = {name: [] for name in cases}
+    for budget, upfront in cases.values():  # warm-up: shapes planned, arenas allocated
+        _run(engine, short, budget, 10, upfront)
     for i in range(rounds):
-        for budget in (64, 16000)[:: 1 if i % 2 else -1]:  # the order alternates
-            budgets[str(budget)].append(_run(engine, short, budget, 10, upfront=False))
-    same_tokens = budgets["64"][0]["tokens"][:20] == budgets["16000"][0]["tokens"][:20]
+        for name, (budget, upfront) in list(cases.items())[:: 1 if i % 2 else -1]:  # the order alternates
+            budgets[name].append(_run(engine, short, budget, 10, upfront))
+    same_tokens = len({tuple(runs[0]["tokens"][:20]) for runs in budgets.values()}) == 1
     part1 = {b: {"ten_steps_ms": statistics.median(r["steps_s"] for r in runs) * 1e3,
                  "capacity": runs[0]["capacity"]} for b, runs in budgets.items()}
     part1["ratio_16000_over_64"] = part1["16000"]["ten_steps_ms"] / part1["64"]["ten_steps_ms"]
@@ -98,7 +100,10 @@ def main(engine_dir: Path, rounds: int, contexts: str, out: Path) -> None:
     out.write_text(json.dumps(report, indent=2))
     click.echo(f"10 steps, 24-token prompt: max_new_tokens 64 {part1['64']['ten_steps_ms']:.1f} ms (cache "
                f"{part1['64']['capacity']}), 16000 {part1['16000']['ten_steps_ms']:.1f} ms (cache "
-               f"{part1['16000']['capacity']}): ratio {part1['ratio_16000_over_64']:.3f}, same tokens {same_tokens}")
+               f"{part1['16000']['capacity']}): ratio {part1['ratio_16000_over_64']:.3f}, same tokens {same_tokens}; "
+               f"16000 with the cache reserved up front (the sizing before): "
+               f"{part1['16000_reserved_up_front']['ten_steps_ms']:.1f} ms (cache "
+               f"{part1['16000_reserved_up_front']['capacity']})")
     click.echo(f"{'context':>8} {'prefill new/old ms':>22} {'step new/old ms':>20} {'cache new/old':>15}")
     for ctx, row in part2.items():
         new, old = row["sized_by_sequence"], row["reserved_up_front"]
