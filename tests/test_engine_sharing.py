@@ -97,8 +97,7 @@ def test_the_cache_grows_with_the_sequence_and_stays_exact(shared):
     prompt = _prompts(2)[1]
     session = engine.session([prompt])
     sizes = []
-    for event in session.stream(SamplingParams(max_new_tokens=300)):
-        del event
+    for _ in session.stream(SamplingParams(max_new_tokens=300)):
         sizes.append(session.cache.capacity)
     assert sizes[0] < sizes[-1] <= len(session.tokens[0]) + GRANULE
     assert len(set(sizes)) >= 2  # it grew at least once, while decoding
