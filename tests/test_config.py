@@ -342,16 +342,73 @@ def test_target_spec_eos_list_becomes_tuple():
     assert spec.stop_token_ids == (151645, 151643)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3_moe", None])
-def test_target_spec_rejects_non_qwen3(model_type):
+@pytest.mark.parametrize("model_type", ["mistral", "qwen3_moe", "gpt2", None])
+def test_target_spec_rejects_unsupported_architectures(model_type):
     raw = PRESETS["qwen3-8b"].spec.to_hf_config()
     raw["model_type"] = model_type
     with pytest.raises(ConfigError) as ei:
         TargetSpec.from_hf_config(raw, where="some/dir/config.json")
     msg = str(ei.value)
     assert f"model_type is {model_type!r}" in msg
-    assert "Qwen3" in msg and "'qwen3'" in msg
+    for name in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"):  # what is supported
+        assert name in msg
     assert "some/dir/config.json" in msg
+
+
+def _hf_config(model_type: str, **changes) -> dict:
+    """config.json as transformers writes it for a small model of ``model_type``."""
+    import transformers
+
+    from dlite_trt.architectures import ARCHITECTURES
+
+    cls = getattr(transformers, ARCHITECTURES[model_type].config_class)
+    return {**cls(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=96, **changes).to_dict(), "model_type": model_type}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_target_spec_reads_each_architecture_as_transformers_does(model_type):
+    """head_dim and max positions default as the transformers config classes do; a round trip
+    through to_hf_config keeps the spec."""
+    import transformers
+
+    from dlite_trt.architectures import ARCHITECTURES
+
+    raw = _hf_config(model_type)
+    raw.pop("head_dim", None)  # absent: Qwen3Config says 128, Llama / Qwen2 hidden // heads
+    spec = TargetSpec.from_hf_config(raw)
+    hf = getattr(transformers, ARCHITECTURES[model_type].config_class)(**raw)
+    assert spec.architecture == model_type and spec.arch.hf_class.startswith(type(hf).__name__[:-6])
+    assert spec.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert TargetSpec.from_hf_config(spec.to_hf_config()) == spec
+
+
+def test_target_spec_reads_llama3_rope_scaling_in_both_layouts():
+    """transformers 5 (rope_parameters) and 4.x (rope_theta + rope_scaling) configs."""
+    from dlite_trt.config import RopeScaling
+
+    params = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    new = _hf_config("llama", rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **params})
+    old = {k: v for k, v in _hf_config("llama").items() if k != "rope_parameters"}
+    old |= {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **params}}
+    want = RopeScaling("llama3", **params)
+    for raw in (new, old):
+        spec = TargetSpec.from_hf_config(raw)
+        assert (spec.rope_theta, spec.rope_scaling) == (5e5, want)
+        assert TargetSpec.from_hf_config(spec.to_hf_config()) == spec
+    del old["rope_scaling"]["low_freq_factor"]
+    with pytest.raises(ConfigError, match="low_freq_factor"):
+        TargetSpec.from_hf_config(old)
+
+
+@pytest.mark.parametrize(("model_type", "rope"), [("llama", "yarn"), ("llama", "dynamic"), ("qwen2", "llama3"),
+                                                  ("qwen3", "linear")])
+def test_target_spec_rejects_rope_types_it_does_not_compile(model_type, rope):
+    raw = _hf_config(model_type)
+    raw["rope_parameters"] = {"rope_type": rope, "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(ConfigError, match=f"rope_type '{rope}' is not supported"):
+        TargetSpec.from_hf_config(raw)
 
 
 @pytest.mark.parametrize(("key", "value", "fragment"), [

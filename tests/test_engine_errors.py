@@ -377,6 +377,20 @@ def test_build_past_max_position_embeddings_is_refused(runner, tiny_pair, tmp_pa
     assert list(tmp_path.iterdir()) == []  # neither the engine nor a partial build
 
 
+def test_default_max_seq_len_fits_a_target_with_few_positions(runner, tiny_pair, tmp_path):
+    """Without --max-seq-len, a target with fewer than 4096 positions builds at its own limit."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 300}))
+    out = tmp_path / "engine"
+    args = [a if a != str(tiny_pair[0]) else str(target) for a in build_args(tiny_pair, out)]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "max seq len 300" in result.output
+    assert load_manifest(out).limits.max_seq_len == 300
+
+
 # --------------------------------------------------------------------------- dlite-trt generate --engine
 
 

@@ -26,7 +26,7 @@ import onnx.shape_inference
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import draft_config, make_target, random_draft
+from helpers import ARCH_TARGETS, draft_config, make_target, random_draft
 from onnx import helper, numpy_helper
 from polygraphy_data import ENV_VAR, feeds, write_request
 
@@ -295,6 +295,23 @@ def _check_recurrence_wiring(model: onnx.ModelProto, node: onnx.NodeProto, engin
 
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_ort_matches_eager(engine: Engine, graph: str) -> None:
+    _check_ort_parity(engine, graph)
+
+
+@pytest.fixture(scope="module", params=list(ARCH_TARGETS))
+def arch_engine(request, tmp_path_factory) -> Engine:
+    """An engine (G2, block 8) on a Llama (llama3 RoPE, untied), tied Llama or Qwen2 (biases) target."""
+    hf, spec = make_target(VOCAB, seed=0, initializer_range=0.1, **ARCH_TARGETS[request.param])
+    return Engine(2, 8, tmp_path_factory.mktemp(request.param), hf, spec)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_ort_matches_eager_other_architectures(arch_engine: Engine, graph: str) -> None:
+    _check_ort_parity(arch_engine, graph)
+
+
+def _check_ort_parity(engine: Engine, graph: str) -> None:
+    """Every output of the exported graph equals its eager module at the parity shapes."""
     spec = engine.contract[graph]
     session = ort.InferenceSession(str(engine.onnx_path(graph)), providers=["CPUExecutionProvider"])
     greedy_accepted = set()

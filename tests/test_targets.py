@@ -165,16 +165,16 @@ def test_a_file_is_not_a_target(tmp_path):
         resolve_target(f)
 
 
-def test_directory_with_llama_config(tmp_path):
-    d = tmp_path / "llama"
+def test_directory_with_an_unsupported_architecture(tmp_path):
+    d = tmp_path / "mistral"
     d.mkdir()
     raw = PRESETS["qwen3-8b"].spec.to_hf_config()
-    raw.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    raw.update(model_type="mistral", architectures=["MistralForCausalLM"])
     (d / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError) as ei:
         resolve_target(d)
     msg = str(ei.value)
-    assert "model_type is 'llama'" in msg and "Qwen3" in msg
+    assert "model_type is 'mistral'" in msg and "Qwen3ForCausalLM" in msg and "LlamaForCausalLM" in msg
     assert str(d / "config.json") in msg
 
 

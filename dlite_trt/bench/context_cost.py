@@ -116,13 +116,46 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, runs: int = 50, t
     return rows
 
 
+def _decode_feed(manifest: Any, sizes: dict[str, int], width: int, ctx: int, rng: Any) -> dict:
+    """Random inputs of a greedy ``decode`` call of ``width`` tokens after ``ctx`` cached ones."""
+    import numpy as np
+
+    from dlite_trt.export.contract import dummy_inputs
+
+    feed = dummy_inputs(manifest.contract["decode"], sizes | {"chunk": width, "outputs": width},
+                        vocab_size=manifest.target_spec.vocab_size, rng=rng)
+    feed["output_index"][:] = np.arange(width)
+    feed["temperature"][:] = 0.0
+    feed["past_len"][:] = ctx
+    return feed
+
+
+def _burst_medians(engine: Any, calls: dict[int, tuple[Any, dict[str, tuple[str, dict]]]], runs: int,
+                   progress: Any) -> dict[int, dict[str, float]]:
+    """Median wall seconds per (context, call name). ``calls``: context -> (cache, name -> (graph,
+    feed)). Calls run in bursts of consecutive calls of one graph at one context (as in decoding:
+    a shape change between calls costs ONNX Runtime extra work), bursts interleaved so load
+    bursts hit every context and call alike; the first call of a burst is not timed."""
+    times = {ctx: {name: [] for name in named} for ctx, (_, named) in calls.items()}
+    burst = 10
+    for _ in range(max(1, runs // burst)):
+        for ctx, (cache, named) in calls.items():
+            for name, (graph, feed) in named.items():
+                for i in range(burst + 1):
+                    start = time.perf_counter()
+                    engine.runner.infer(graph, feed, cache)
+                    if i:
+                        times[ctx][name].append(time.perf_counter() - start)
+        if progress is not None:
+            progress()
+    return {ctx: {name: statistics.median(t) for name, t in named.items()} for ctx, named in times.items()}
+
+
 def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progress: Any = None) -> dict[str, dict]:
     """Median wall ms of single engine calls per context: the ``step`` graph (verify + draft), a
     ``decode`` call of K+1 tokens (the same verify pass alone: what n-gram lookup runs per step)
-    and of 1 token (a target-only decode step). Calls run in bursts of consecutive calls of one
-    graph at one context (as in decoding: a shape change between calls costs ONNX Runtime extra
-    work), bursts interleaved; inputs are random (the cache's contents do not change the work),
-    nothing is stored."""
+    and of 1 token (a target-only decode step). Inputs are random (the cache's contents do not
+    change the work), nothing is stored; see ``_burst_medians`` for the timing."""
     import numpy as np
 
     from dlite_trt.export.contract import dummy_inputs
@@ -135,32 +168,36 @@ def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progres
         cache = engine.runner.new_cache(1)
         cache.ensure_capacity(ctx + 2 * block)
         sizes = {"batch": 1, "cache": cache.capacity}
-        feeds = {"step": dummy_inputs(manifest.contract["step"], sizes, vocab_size=manifest.target_spec.vocab_size,
-                                      rng=rng)}
-        for name, width in (("verify", block), ("decode", 1)):
-            feeds[name] = dummy_inputs(manifest.contract["decode"], sizes | {"chunk": width, "outputs": width},
-                                       vocab_size=manifest.target_spec.vocab_size, rng=rng)
-            feeds[name]["output_index"][:] = np.arange(width)
-            feeds[name]["temperature"][:] = 0.0
-        for f in feeds.values():
-            f["past_len"][:] = ctx
-        calls[ctx] = (cache, feeds)
-    times: dict[int, dict[str, list[float]]] = {ctx: {k: [] for k in ("step", "verify", "decode")} for ctx in contexts}
-    burst = 10  # consecutive calls of one graph at one context, as in decoding; the first is not timed
-    for _ in range(max(1, runs // burst)):  # bursts interleaved: load bursts hit every context and graph alike
-        for ctx, (cache, feeds) in calls.items():
-            for name, graph in (("step", "step"), ("verify", "decode"), ("decode", "decode")):
-                for i in range(burst + 1):
-                    start = time.perf_counter()
-                    engine.runner.infer(graph, feeds[name], cache)
-                    if i:
-                        times[ctx][name].append(time.perf_counter() - start)
-        if progress is not None:
-            progress()
+        step = dummy_inputs(manifest.contract["step"], sizes, vocab_size=manifest.target_spec.vocab_size, rng=rng)
+        step["past_len"][:] = ctx
+        calls[ctx] = (cache, {"step": ("step", step),
+                              "verify": ("decode", _decode_feed(manifest, sizes, block, ctx, rng)),
+                              "decode": ("decode", _decode_feed(manifest, sizes, 1, ctx, rng))})
+    medians = _burst_medians(engine, calls, runs, progress)
     rows = {}
     for ctx in contexts:
-        step, verify, decode = (statistics.median(times[ctx][k]) * 1e3 for k in ("step", "verify", "decode"))
+        step, verify, decode = (medians[ctx][k] * 1e3 for k in ("step", "verify", "decode"))
         rows[str(ctx)] = {"step_call_ms": step, "verify_call_ms": verify, "decode_call_ms": decode,
                           "draft_ms": max(step - verify, 0.0), "verify_over_decode": verify / decode,
-                          "step_over_decode": step / decode, "runs": len(times[ctx]["step"])}
+                          "step_over_decode": step / decode, "runs": max(1, runs // 10) * 10}
     return rows
+
+
+def verify_cost(engine: Any, contexts: Sequence[int], widths: Sequence[int] = (1, 2, 4, 8), *, runs: int = 100,
+                progress: Any = None) -> dict[str, dict]:
+    """The verify-cost curve: median wall ms of one target call (``decode`` graph) of each width
+    after each context, and its ratio to the 1-token call. Speculative decoding gains at most
+    acceptance length x t(1) / t(width)."""
+    import numpy as np
+
+    manifest = engine.manifest
+    rng = np.random.default_rng(0)
+    calls = {}
+    for ctx in contexts:
+        cache = engine.runner.new_cache(1)
+        cache.ensure_capacity(ctx + max(widths))
+        sizes = {"batch": 1, "cache": cache.capacity}
+        calls[ctx] = (cache, {str(w): ("decode", _decode_feed(manifest, sizes, w, ctx, rng)) for w in widths})
+    medians = _burst_medians(engine, calls, runs, progress)
+    return {str(ctx): {w: {"ms": t * 1e3, "over_one_token": t / medians[ctx][str(widths[0])]}
+                       for w, t in medians[ctx].items()} for ctx in contexts}

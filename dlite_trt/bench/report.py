@@ -104,6 +104,9 @@ def print_tables(report: dict, console: Any) -> None:
                                                      if "speedup_over_ar" in sweep[b][method] else "")
                                                   for b in sweep))
         console.print(table)
+    for name, skip in report.get("workloads_skipped", {}).items():
+        console.print(f"{name} prompts of {skip['prompt_tokens']} tokens not run ({skip['why']}); ran "
+                      f"{skip['prompt_tokens_run'] or 'none'}")
     if report["batch_sweep_skipped"]:
         console.print(f"batch sizes not run: {report['batch_sweep_skipped']} (above the engine's --max-batch "
                       f"{report['engine']['limits']['max_batch']}, or no engine method to sweep)")

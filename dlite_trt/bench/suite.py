@@ -22,7 +22,10 @@ from dlite_trt.bench.run import (
     warm_up,
 )
 from dlite_trt.bench.workloads import (
+    LONG_CONTEXT_ANSWER_TOKENS,
+    LONG_CONTEXT_MIN_TOKENS,
     LONG_CONTEXT_TOKENS,
+    QUICK_LONG_CONTEXT_TOKENS,
     Task,
     agentic,
     chat,
@@ -64,13 +67,29 @@ class BenchSettings:
                            context_steps=32, context_rounds=1, profile_runs=30, call_runs=40, quick=True), **overrides)
 
 
-def default_workloads(names: Sequence[str], tokenizer: Any, *, seed: int, quick: bool) -> dict[str, list[Task]]:
-    """The generated workloads (seeded, from the held-out standard-library sources)."""
+def fit_lengths(lengths: Sequence[int], max_seq_len: int) -> tuple[list[int], list[int]]:
+    """(lengths to run, lengths skipped) of the long-context prompts on an engine: those whose
+    prompt and answer fit; when some do not, one more at the longest prompt that does, so the
+    workload reaches what the engine allows."""
+    cap = max_seq_len - LONG_CONTEXT_ANSWER_TOKENS[1]
+    kept = [n for n in lengths if n <= cap]
+    skipped = [n for n in lengths if n > cap]
+    if skipped and cap > max(kept, default=0) and cap >= LONG_CONTEXT_MIN_TOKENS:
+        kept.append(cap)
+    return kept, skipped
+
+
+def default_workloads(names: Sequence[str], tokenizer: Any, *, seed: int, quick: bool,
+                      long_lengths: Sequence[int] | None = None) -> dict[str, list[Task]]:
+    """The generated workloads (seeded, from the held-out standard-library sources).
+    ``long_lengths``: the long-context prompt lengths (default: the run's, see ``fit_lengths``)."""
     files = source_files()
+    if long_lengths is None:
+        long_lengths = QUICK_LONG_CONTEXT_TOKENS if quick else LONG_CONTEXT_TOKENS
     makers = {
         "agentic": lambda: agentic(files, seed=seed, sessions=1 if quick else 4, turns=3 if quick else 5),
-        "long-context": lambda: long_context(files, tokenizer, seed=seed,
-                                             lengths=(2048, 16384) if quick else LONG_CONTEXT_TOKENS),
+        "long-context": lambda: long_context(files, tokenizer, seed=seed, lengths=long_lengths,
+                                             answer_tokens=LONG_CONTEXT_ANSWER_TOKENS),
         "chat": lambda: chat(files, seed=seed, count=2 if quick else 6,
                              answer_tokens=(64, 96) if quick else (192, 320)),
     }
@@ -85,7 +104,11 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
     phase = phase or (lambda _desc, _total: (lambda: None))
     engine = loaded.generator
     manifest = engine.manifest
-    workloads = default_workloads(settings.workloads, loaded.tokenizer, seed=settings.seed, quick=settings.quick)
+    long_lengths, long_skipped = fit_lengths(QUICK_LONG_CONTEXT_TOKENS if settings.quick else LONG_CONTEXT_TOKENS,
+                                             manifest.limits.max_seq_len)
+    names = tuple(n for n in settings.workloads if n != "long-context" or long_lengths)
+    workloads = default_workloads(names, loaded.tokenizer, seed=settings.seed, quick=settings.quick,
+                                  long_lengths=long_lengths)
     for path in settings.datasets:
         name = Path(path).stem
         if name in workloads:
@@ -107,7 +130,12 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
                               "engine": {"backend": manifest.backend, "dtype": manifest.dtype,
                                          "limits": asdict(manifest.limits), "target": manifest.target_name,
                                          "block_size": manifest.draft_config.block_size},
-                              "settings": settings_json(settings), "workloads": {}}
+                              "settings": settings_json(settings), "workloads": {},
+                              "workloads_skipped": {}}
+    if "long-context" in settings.workloads and long_skipped:
+        report["workloads_skipped"]["long-context"] = {
+            "prompt_tokens": long_skipped, "prompt_tokens_run": long_lengths,
+            "why": f"prompt + answer past the engine's --max-seq-len {manifest.limits.max_seq_len}"}
     records = []
     for name, tasks in prepared.items():
         warm_up(methods, max((p.turns[0] for p in tasks), key=len))  # the workload's largest shapes, untimed

@@ -33,6 +33,9 @@ from dlite_trt.errors import DLiteError
 from dlite_trt.jsonl import json_lines
 
 LONG_CONTEXT_TOKENS = (2048, 4096, 8192, 16384)
+QUICK_LONG_CONTEXT_TOKENS = (2048, 16384)
+LONG_CONTEXT_ANSWER_TOKENS = (32, 64)  # answer length range of a long-context task
+LONG_CONTEXT_MIN_TOKENS = 512  # a "long" prompt is at least this long
 _DEF = re.compile(r"^\s*def (\w+)\(", re.M)
 
 
@@ -173,7 +176,8 @@ def agentic(files: Sequence[SourceFile], *, seed: int, sessions: int = 4, turns:
 
 
 def long_context(files: Sequence[SourceFile], tokenizer: Any, *, seed: int,
-                 lengths: Sequence[int] = LONG_CONTEXT_TOKENS, answer_tokens: tuple[int, int] = (32, 64)) -> list[Task]:
+                 lengths: Sequence[int] = LONG_CONTEXT_TOKENS,
+                 answer_tokens: tuple[int, int] = LONG_CONTEXT_ANSWER_TOKENS) -> list[Task]:
     """One prompt per length: whole files (in a seeded order) up to about ``length`` tokens, then a question."""
     rng = random.Random(seed)
     tasks = []

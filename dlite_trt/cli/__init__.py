@@ -12,8 +12,9 @@ from dlite_trt.errors import DLiteError
 # subcommand name -> (module under dlite_trt.cli, one-line help shown by --help without importing it)
 SUBCOMMANDS = {
     "bench": ("bench", "Benchmark DLite against target-only decoding and n-gram lookup, side by side."),
-    "build": ("build", "Compile a Qwen3 target and a DLite draft into an engine directory."),
-    "generate": ("generate", "Generate with a Qwen3 target and a DLite draft (speculative decoding)."),
+    "build": ("build", "Compile a target (Qwen3, Llama, Qwen2) and a DLite draft into an engine directory."),
+    "import-gguf": ("import_gguf", "Convert a GGUF file into a Hugging Face model directory (dequantized)."),
+    "generate": ("generate", "Generate with a target and a DLite draft (speculative decoding)."),
     "serve": ("serve", "Serve an engine from a real Triton Inference Server (HTTP, gRPC, streaming)."),
     "triton-repo": ("triton_repo", "Write a Triton model repository that serves an engine."),
     "train": ("train", "Train DLite drafts with the two-stage recipe (data, teacher, student)."),
@@ -55,4 +56,4 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup)
 @click.version_option(__version__, prog_name="dlite-trt")
 def main() -> None:
-    """dlite-trt: compile a Qwen3 target and a DLite draft into one speculative-decoding engine."""
+    """dlite-trt: compile a target (Qwen3, Llama, Qwen2) and a DLite draft into one speculative-decoding engine."""

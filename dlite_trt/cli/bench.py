@@ -36,7 +36,7 @@ def _names(value: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]
 @click.option("--engine", type=click.Path(path_type=Path), metavar="DIRECTORY",
               help="Engine directory. Without it, one is built into OUT/engine from --target/--draft "
                    "(default: the bundled pair).")
-@click.option("--target", help="Qwen3 model directory (with --draft): build from it, or check --engine against it.")
+@click.option("--target", help="Model directory, .gguf file or preset (with --draft): build from it, or check --engine against it.")
 @click.option("--draft", type=click.Path(path_type=Path), help="dlite_v1 draft checkpoint directory (with --target).")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("bench-results"),
               show_default=True, help="Directory for bench.json, requests.jsonl, the plots and the workloads run.")
@@ -95,9 +95,11 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
             from dlite_trt.export.contract import EngineLimits
 
             src_target, src_draft = pair_or_bundled(target, draft)
-            console.print(f"building an engine into {engine} (max seq len {BUILD_MAX_SEQ_LEN})")
+            console.print(f"building an engine into {engine} (max seq len {BUILD_MAX_SEQ_LEN}, or the target's "
+                          "max_position_embeddings if less)")
             build_engine(src_target, src_draft, engine,
-                         BuildSettings(limits=EngineLimits(max_batch=8, max_seq_len=BUILD_MAX_SEQ_LEN, max_chunk=512)),
+                         BuildSettings(limits=EngineLimits(max_batch=8, max_seq_len=BUILD_MAX_SEQ_LEN, max_chunk=512),
+                                       fit_seq_len_to_target=True),
                          progress=False)
     else:
         check_engine_dir(engine, hint=", or leave out --engine to build one here")

@@ -42,7 +42,7 @@ def _check_options(engine: Path | None, target: str | None, prompt: str | None, 
               help="Engine directory from `dlite-trt build`. With --target/--draft, checks it was built from them.")
 @click.option("--verify", is_flag=True,
               help="With --engine: hash every engine file (by default files above 64 MiB are only size-checked).")
-@click.option("--target", help="Qwen3 model directory or preset name (qwen3-8b, ...); "
+@click.option("--target", help="Model directory, .gguf file or preset name (smollm2-135m, qwen3-8b, ...); "
                                "without it and --engine, the bundled target.")
 @click.option("--draft", type=click.Path(path_type=Path),
               help="dlite_v1 draft checkpoint directory; without it and --engine, the bundled draft.")
@@ -66,7 +66,7 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
             input_ids: str | None, max_new_tokens: int, temperature: float, seed: int | None, chat: bool,
             ignore_eos: bool, dtype: str | None,
             random_weights: bool, threads: int | None, as_json: bool, trace: bool) -> None:
-    """Generate with a Qwen3 target and a DLite draft (speculative decoding)."""
+    """Generate with a target and a DLite draft (speculative decoding)."""
     if (prompt is None) == (input_ids is None):
         raise click.UsageError("pass exactly one of --prompt TEXT or --input-ids 1,2,3")
     ids = _parse_ids(input_ids) if input_ids is not None else None

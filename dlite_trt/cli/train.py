@@ -1,5 +1,6 @@
-"""`dlite-trt train`: data from the target, the history-aware teacher, the student (DESIGN 1.4).
+"""`dlite-trt train`: an initial draft, data from the target, the history-aware teacher, the student.
 
+    dlite-trt train init    --target T --out DRAFT
     dlite-trt train data    --target T --prompts SRC --out DATA
     dlite-trt train teacher --target T --data DATA --init DRAFT --out TEACHER
     dlite-trt train student --target T --data DATA --init DRAFT --teacher TEACHER --out DRAFT_OUT
@@ -49,7 +50,7 @@ def _batches(seq_len: int, batch_seqs: int, anchors: int, seed: int):
 
 def _common(f):
     for option in reversed([
-        click.option("--target", required=True, help="Qwen3 model directory or preset name."),
+        click.option("--target", required=True, help="Model directory, .gguf file or preset name."),
         click.option("--data", "data", required=True, type=click.Path(path_type=Path, file_okay=False),
                      help="Directory written by `dlite-trt train data`."),
         click.option("--init", "init", required=True, type=click.Path(path_type=Path, file_okay=False),
@@ -89,8 +90,44 @@ def command() -> None:
     """Train DLite drafts with the two-stage recipe (data, teacher, student)."""
 
 
+@command.command("init")
+@click.option("--target", required=True, help="Model directory, .gguf file or preset name.")
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Directory to write the draft checkpoint into (new or empty).")
+@click.option("--layers", default=5, show_default=True, type=click.IntRange(min=1), help="Draft decoder layers.")
+@click.option("--chs-layers", default=5, show_default=True, type=click.IntRange(min=2),
+              help="Target layers the draft reads (S, at most the target's layers).")
+@click.option("--block-size", default=8, show_default=True, type=click.IntRange(min=2),
+              help="Tokens per speculative block: the anchor and K = block size - 1 proposals.")
+@click.option("--anchor-group-size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Tokens ending with the anchor that the draft reads (G).")
+@click.option("--rank", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Rank of the sequential head's recurrent state.")
+@click.option("--mask-token-id", type=click.IntRange(min=0),
+              help="Token id of the proposal slots' input [default: the tokenizer's mask token, else its unknown "
+                   "token].")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the initial weights.")
+@click.option("--random-weights", is_flag=True, help="With a preset --target: its shape only (no weights needed).")
+def init(target: str, out: Path, layers: int, chs_layers: int, block_size: int, anchor_group_size: int, rank: int,
+         mask_token_id: int | None, seed: int, random_weights: bool) -> None:
+    """Write an untrained dlite_v1 draft shaped for the target (the --init of teacher/student)."""
+    from dlite_trt.targets import load_tokenizer, resolve_target, stop_token_ids
+    from dlite_trt.training.init_draft import pick_mask_token, write_initial_draft
+
+    source = resolve_target(target, random_weights=random_weights)
+    tokenizer = load_tokenizer(source)
+    mask = pick_mask_token(tokenizer, source.spec, stop_token_ids(source, tokenizer), mask_token_id)
+    cfg = write_initial_draft(out, source.spec, mask, seed=seed, num_hidden_layers=layers,
+                              chs_num_layers=chs_layers, block_size=block_size, anchor_group_size=anchor_group_size,
+                              sequential_rank=rank)
+    token = tokenizer.convert_ids_to_tokens(mask) if tokenizer is not None else mask
+    click.echo(f"untrained dlite_v1 draft -> {out}: {layers} layers reading target layers "
+               f"{list(cfg.target_layer_ids)}, block size {block_size}, mask token {token!r} ({mask}); train it with "
+               "`dlite-trt train teacher/student --init`")
+
+
 @command.command("data")
-@click.option("--target", required=True, help="Qwen3 model directory or preset name.")
+@click.option("--target", required=True, help="Model directory, .gguf file or preset name.")
 @click.option("--prompts", required=True, type=click.Path(path_type=Path),
               help="JSONL of prompts ({prompt|messages|input_ids}) or a directory of text files.")
 @click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),

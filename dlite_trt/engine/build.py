@@ -18,7 +18,7 @@ import platform
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -48,6 +48,9 @@ class BuildSettings:
     random_weights: bool = False
     workspace_gb: float = 8.0  # tensorrt: builder workspace
     timing_cache: Path | None = None  # tensorrt: read, then updated
+    # True: limits.max_seq_len is an upper bound, lowered to the target's max_position_embeddings
+    # (the default of `dlite-trt build`); False: exactly that, or an error past the target's positions
+    fit_seq_len_to_target: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -135,8 +138,11 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
     out.parent.mkdir(parents=True, exist_ok=True)
     with stages(progress, total=2 + 2 * len(GRAPH_NAMES)) as advance:
         advance("loading target and draft")
-        pair = load_pair(target, Path(draft), dtype=settings.dtype, random_weights=settings.random_weights)
+        pair = load_pair(target, Path(draft), dtype=settings.dtype, random_weights=settings.random_weights,
+                         progress=progress)
         spec, cfg = pair.source.spec, pair.generator.draft.cfg
+        if settings.fit_seq_len_to_target:
+            limits = replace(limits, max_seq_len=min(limits.max_seq_len, spec.max_position_embeddings))
         if limits.max_seq_len > spec.max_position_embeddings:
             raise ConfigError(f"--max-seq-len {limits.max_seq_len} is past the target's max_position_embeddings="
                               f"{spec.max_position_embeddings}; lower it.")

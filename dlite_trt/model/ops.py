@@ -13,11 +13,14 @@ At small sizes on CPU those chains, not the matmuls, dominated a call's time.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dlite_trt.config import RopeScaling
 
 
 def static_size(x: torch.Tensor, dim: int) -> int:
@@ -55,7 +58,7 @@ def reshape(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3 RMSNorm: normalise in fp32, cast back, then scale (as transformers does)."""
+    """RMSNorm (Qwen3, Llama, Qwen2): normalise in fp32, cast back, then scale (as transformers does)."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -85,11 +88,34 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, T, head_dim] for integer positions [B, T] (default RoPE, Qwen3 layout)."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2], fp32, in transformers' arithmetic (so fp32
+    logits match it bit for bit). ``scaling``: a fixed-frequency RoPE type (linear, llama3)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta ** exponent)  # [D/2]
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type != "llama3":
+        raise ValueError(f"rope_type {scaling.rope_type!r} has no fixed inverse frequencies here")
+    # Llama 3.1: wavelengths longer than original/low_freq_factor are stretched by `factor`,
+    # shorter than original/high_freq_factor kept, the ones between blended smoothly
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, blended, stretched)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, head_dim] for integer positions [B, T] (rotate-half layout)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)  # [D/2]
     freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -1,8 +1,11 @@
-"""The Qwen3 target as a pure function of (tokens, positions, past KV): the verifier.
+"""The target as a pure function of (tokens, positions, past KV): the verifier.
 
-``TargetAdapter`` wraps a transformers ``Qwen3ForCausalLM`` and reuses its modules (so
-parameter names stay ``model.layers.{i}.self_attn.q_proj.weight`` ... as in the checkpoint),
-but runs its own export-friendly forward: explicit per-token positions, a preallocated KV
+``TargetAdapter`` wraps a transformers ``Qwen3ForCausalLM``, ``LlamaForCausalLM`` or
+``Qwen2ForCausalLM`` and reuses its modules (so parameter names stay
+``model.layers.{i}.self_attn.q_proj.weight`` ... as in the checkpoint, and projection biases
+come with them); what differs between those architectures is read from
+``spec.arch`` (dlite_trt/architectures.py): q/k norm, and the RoPE type from ``spec``. It
+runs its own export-friendly forward: explicit per-token positions, a preallocated KV
 buffer passed in as a tensor view, and only the block's new KV entries returned. It also
 returns the hidden states of the draft's selected layers, with DLite's layer-id semantics:
 id k is the output of decoder layer k, and id N-1 is taken after the final RMSNorm
@@ -29,16 +32,20 @@ class TargetOutput(NamedTuple):
 
 
 class TargetAdapter(nn.Module):
-    """Qwen3 forward over a block of tokens on top of a KV cache; returns new KV entries."""
+    """Target forward over a block of tokens on top of a KV cache; returns new KV entries."""
 
     def __init__(self, hf_model: nn.Module, spec: TargetSpec, layer_ids: tuple[int, ...]) -> None:
         super().__init__()
         if not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= spec.num_hidden_layers:
             raise ValueError(f"layer_ids {layer_ids} out of range for a {spec.num_hidden_layers}-layer target")
-        self.model = hf_model.model  # embed_tokens, layers, norm (transformers Qwen3Model)
+        self.model = hf_model.model  # embed_tokens, layers, norm (transformers *Model)
         self.lm_head = hf_model.lm_head
         self.spec = spec
         self.layer_ids = tuple(layer_ids)
+        expected = spec.arch.hf_class
+        if type(hf_model).__name__ != expected:
+            raise ValueError(f"a {spec.architecture} target spec needs a transformers {expected}, "
+                             f"got {type(hf_model).__name__}")
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -64,7 +71,7 @@ class TargetAdapter(nn.Module):
                              f"{tuple(past_len.shape)}, {tuple(output_index.shape)}")
         p = past_k[0].shape[2]
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, x.dtype, spec.rope_scaling)
         # Keys: P cached entries (valid below past_len) then the T new ones (causal).
         past_ok = torch.arange(p, device=x.device)[None, None, :] < past_len[:, None, None]  # [B, 1, P]
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None]  # [1, T, T]
@@ -72,12 +79,15 @@ class TargetAdapter(nn.Module):
         n_layers = spec.num_hidden_layers
         gather = output_index[:, :, None].expand(-1, -1, spec.hidden_size)  # [B, R, H]
         split_heads = (0, 0, -1, spec.head_dim)  # [B, T, h * D] -> [B, T, h, D]
+        qk_norm = spec.arch.qk_norm
         new_k, new_v, selected = [], [], {}
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_norm(reshape(attn.q_proj(h), split_heads)).transpose(1, 2)
-            k = attn.k_norm(reshape(attn.k_proj(h), split_heads)).transpose(1, 2)
+            q, k = reshape(attn.q_proj(h), split_heads), reshape(attn.k_proj(h), split_heads)
+            if qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = reshape(attn.v_proj(h), split_heads).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             new_k.append(k)

