@@ -148,7 +148,7 @@ def test_unknown_name_lists_presets(hf_cache):
     with pytest.raises(TargetNotFoundError) as ei:
         resolve_target("qwen3-9000b")
     msg = str(ei.value)
-    assert "'qwen3-9000b' is neither a directory nor a known preset" in msg
+    assert "'qwen3-9000b' is neither a directory, a .gguf file nor a known preset" in msg
     for name in PRESETS:
         assert name in msg
 

@@ -166,3 +166,28 @@ def test_torchrun_two_processes(trained, tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     load_draft(tmp_path / "ddp")
+
+
+def test_train_init_writes_a_draft_that_fits_the_target(tiny_pair, tmp_path):
+    """`train init`: an untrained dlite_v1 draft shaped for the target, with the tokenizer's mask
+    token, that loads against the target and generates exactly what the target does."""
+    from transformers import AutoTokenizer
+
+    target = tiny_pair[0]
+    out = tmp_path / "init"
+    result = CliRunner().invoke(main, ["train", "init", "--target", str(target), "--out", str(out), "--layers", "1",
+                                       "--chs-layers", "2", "--block-size", "4", "--rank", "16"])
+    assert result.exit_code == 0, result.output
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    cfg = load_draft(out).cfg
+    assert (cfg.num_hidden_layers, cfg.chs_num_layers, cfg.block_size, cfg.sequential_rank) == (1, 2, 4, 16)
+    assert cfg.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>")  # the tiny tokenizer has one
+    pair = load_pair(target, out)
+    prompt = tokenizer.encode("def parse(argv):")
+    got = pair.generator.generate([prompt], SamplingParams(max_new_tokens=12)).output_ids[0]
+    assert got == hf_greedy(target, prompt, 12)
+    again = CliRunner().invoke(main, ["train", "init", "--target", str(target), "--out", str(out)])
+    assert again.exit_code == 1 and "exists and is not empty" in again.output
+    bad = CliRunner().invoke(main, ["train", "init", "--target", str(target), "--out", str(tmp_path / "x"),
+                                    "--mask-token-id", "999999"])
+    assert bad.exit_code == 1 and "outside the target's vocabulary" in bad.output

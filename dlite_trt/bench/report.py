@@ -128,7 +128,8 @@ def print_tables(report: dict, console: Any) -> None:
         if cost.get("step_profile_skipped"):
             console.print(f"kernels not profiled: {cost['step_profile_skipped']}")
     if cost["skipped"]:
-        console.print(f"contexts not measured: {cost['skipped']} (past the engine's --max-seq-len)")
+        console.print(f"contexts not measured: {cost['skipped']} (past the engine's --max-seq-len); measured: "
+                      f"{cost['contexts'] or 'none'}")
     for name, g in report["goals"].items():
         if name == "draft_time_flat":
             console.print(f"draft time per step, {g['contexts'][1]} vs {g['contexts'][0]} tokens of context: "

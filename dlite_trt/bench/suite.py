@@ -156,9 +156,13 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
                                             settings.sweep_rounds, advance)
     report["batch_sweep_skipped"] = [b for b in settings.batch_sizes if b not in fits or not sweep_methods]
 
-    contexts = [c for c in settings.contexts if c + settings.context_steps + 2 * manifest.draft_config.block_size
-                <= manifest.limits.max_seq_len]
-    report["context_cost"] = {"contexts": contexts, "skipped": [c for c in settings.contexts if c not in contexts]}
+    # contexts past the engine's limit are skipped, and the longest it allows measured instead
+    longest = manifest.limits.max_seq_len - settings.context_steps - 2 * manifest.draft_config.block_size
+    contexts = [c for c in settings.contexts if c <= longest]
+    skipped = [c for c in settings.contexts if c > longest]
+    if skipped and longest > max(contexts, default=0) and longest >= min(settings.contexts):
+        contexts.append(longest)
+    report["context_cost"] = {"contexts": contexts, "skipped": skipped}
     if contexts:
         prompts = {c: held_out_ids(loaded.tokenizer, c) for c in contexts}
         bursts = max(1, settings.call_runs // 10)

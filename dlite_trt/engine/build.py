@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
+from dlite_trt.engine.graph_jobs import run_jobs, workers_for
 from dlite_trt.engine.manifest import (
     BACKEND_DTYPES,
     GRAPH_DIR,
@@ -136,7 +137,7 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
         backend_info = require_tensorrt()
     limits = settings.limits
     out.parent.mkdir(parents=True, exist_ok=True)
-    with stages(progress, total=2 + 2 * len(GRAPH_NAMES)) as advance:
+    with stages(progress, total=2 + len(GRAPH_NAMES)) as advance:
         advance("loading target and draft")
         pair = load_pair(target, Path(draft), dtype=settings.dtype, random_weights=settings.random_weights,
                          progress=progress)
@@ -149,24 +150,34 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
         contract = engine_contract(spec, cfg, limits, settings.dtype)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         try:
-            graphs = {}
-            for name in GRAPH_NAMES:
-                advance(f"exporting the {name} graph")
+            def graph_job(name: str) -> dict[str, str]:
+                """Export one graph, then optimize it for ONNX Runtime or build its TensorRT plan."""
                 onnx_rel = f"{GRAPH_DIR}/{name}.onnx"
                 export_graph(contract[name], pair.generator.target, pair.generator.draft, tmp / onnx_rel,
                              lowering=settings.backend)
                 if settings.backend == "tensorrt":
                     from dlite_trt.engine.tensorrt_build import build_plan
 
-                    advance(f"building the {name} TensorRT plan")
                     runtime_rel = f"{GRAPH_DIR}/{name}.plan"
                     build_plan(tmp / onnx_rel, tmp / runtime_rel, contract[name], workspace_gb=settings.workspace_gb,
                                timing_cache=settings.timing_cache)
                 else:
-                    advance(f"optimizing the {name} graph for ONNX Runtime")
                     runtime_rel = f"{GRAPH_DIR}/{name}.ort.onnx"
                     optimize_for_onnxruntime(tmp / onnx_rel, tmp / runtime_rel)
-                graphs[name] = {"onnx": onnx_rel, "runtime": runtime_rel}
+                return {"onnx": onnx_rel, "runtime": runtime_rel}
+
+            weight_bytes = sum(p.numel() * p.element_size() for module in (pair.generator.target, pair.generator.draft)
+                               for p in module.parameters())
+            workers = workers_for(settings.backend, weight_bytes)
+            what = "optimizing" if settings.backend == "onnxruntime" else "building the TensorRT plan of"
+            advance(f"exporting and {what} the {GRAPH_NAMES[0]} graph" if workers == 1 else
+                    f"exporting and {what} the graphs, {workers} at a time")
+            graphs = {}
+            for i, (name, paths) in enumerate(run_jobs(graph_job, GRAPH_NAMES, workers)):
+                graphs[name] = paths
+                if i + 1 < len(GRAPH_NAMES):
+                    advance(f"exporting and {what} the {GRAPH_NAMES[i + 1]} graph" if workers == 1 else
+                            f"{name} graph done")
             advance("sharing weights between graphs, hashing files")
             pack_weights([tmp / rel for paths in graphs.values() for rel in paths.values() if rel.endswith(".onnx")])
             _copy_configs(pair.source.path, tmp / "target")
