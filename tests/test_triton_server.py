@@ -421,7 +421,9 @@ def test_serve_command_runs_until_ctrl_c(engine, tmp_path):
         with urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST"), timeout=60) as r:
             assert len(json.loads(r.read())["output_ids"]) <= 4
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0, proc.stdout.read()
+        # the server gets 30 s to unload its models (TritonServer.stop), then its group is killed;
+        # on a loaded CI machine the whole shutdown has taken more than 60 s
+        assert proc.wait(150) == 0, proc.stdout.read()
         assert group_members(server_pid) == []
         assert all(port_free("127.0.0.1", p) for p in ports.values())
     finally:
