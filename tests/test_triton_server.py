@@ -423,7 +423,15 @@ def test_serve_command_runs_until_ctrl_c(engine, tmp_path):
         proc.send_signal(signal.SIGINT)
         # the server gets 30 s to unload its models (TritonServer.stop), then its group is killed;
         # on a loaded CI machine the whole shutdown has taken more than 60 s
-        assert proc.wait(150) == 0, proc.stdout.read()
+        try:
+            code = proc.wait(150)
+        except subprocess.TimeoutExpired:  # say what the process was doing with its signals
+            from pathlib import Path
+
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            raise AssertionError("serve did not stop on SIGINT: "
+                                 + " ".join(line for line in status.splitlines() if line.startswith("Sig"))) from None
+        assert code == 0, proc.stdout.read()
         assert group_members(server_pid) == []
         assert all(port_free("127.0.0.1", p) for p in ports.values())
     finally:

@@ -42,7 +42,12 @@ def command(engine: Path, host: str, http_port: int, grpc_port: int, metrics_por
         repo = repo or Path(tmp) / "repo"
         write_repository(engine, repo, instances=instances, max_batch=max_batch, streaming=True, threads=threads)
         server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host)
-        signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
+        # Ctrl-C and `kill` stop it cleanly even when it was started with SIGINT ignored or blocked
+        # (a background job of a non-interactive shell, or a parent that blocked them): both are
+        # handled here explicitly rather than inherited
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             server.start()
             click.echo(f"serving {engine} with {server.binary.describe()} (pid {server.process.pid})\n"
