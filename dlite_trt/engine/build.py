@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
-from dlite_trt.engine.graph_jobs import run_jobs, workers_for
 from dlite_trt.engine.manifest import (
     BACKEND_DTYPES,
     GRAPH_DIR,
@@ -166,18 +165,11 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
                     optimize_for_onnxruntime(tmp / onnx_rel, tmp / runtime_rel)
                 return {"onnx": onnx_rel, "runtime": runtime_rel}
 
-            weight_bytes = sum(p.numel() * p.element_size() for module in (pair.generator.target, pair.generator.draft)
-                               for p in module.parameters())
-            workers = workers_for(settings.backend, weight_bytes)
             what = "optimizing" if settings.backend == "onnxruntime" else "building the TensorRT plan of"
-            advance(f"exporting and {what} the {GRAPH_NAMES[0]} graph" if workers == 1 else
-                    f"exporting and {what} the graphs, {workers} at a time")
             graphs = {}
-            for i, (name, paths) in enumerate(run_jobs(graph_job, GRAPH_NAMES, workers)):
-                graphs[name] = paths
-                if i + 1 < len(GRAPH_NAMES):
-                    advance(f"exporting and {what} the {GRAPH_NAMES[i + 1]} graph" if workers == 1 else
-                            f"{name} graph done")
+            for name in GRAPH_NAMES:
+                advance(f"exporting and {what} the {name} graph")
+                graphs[name] = graph_job(name)
             advance("sharing weights between graphs, hashing files")
             pack_weights([tmp / rel for paths in graphs.values() for rel in paths.values() if rel.endswith(".onnx")])
             _copy_configs(pair.source.path, tmp / "target")
