@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dlite_trt.config import DraftConfig, TargetSpec
-from dlite_trt.errors import ConfigError
+from dlite_trt.errors import CheckpointError, ConfigError
 
 MASK_TOKENS = ("<|mask|>", "<mask>", "<|fim_pad|>", "<fim_pad>")  # tried in this order
 
@@ -41,7 +41,6 @@ def write_initial_draft(out: Path, spec: TargetSpec, mask_token_id: int, *, seed
                         **shape: Any) -> DraftConfig:
     """Write an initialised dlite_v1 draft for ``spec`` to ``out``; ``shape``: DraftConfig.for_target's
     num_hidden_layers, chs_num_layers and config overrides (block_size, sequential_rank, ...)."""
-    from dlite_trt.errors import CheckpointError
     from dlite_trt.tiny_models import write_random_draft
 
     out = Path(out)
