@@ -110,14 +110,15 @@ def main(target: Path | None, draft: Path | None, engine: Path | None, out: Path
     import torch
     from transformers.utils import logging as hf_logging
 
-    from dlite_trt.bundled import pair_or_bundled
+    from dlite_trt.bundled import bundled_pair, check_pair_options
     from dlite_trt.engine.build import BuildSettings, build_engine, package_versions
     from dlite_trt.engine.load import load_engine
     from dlite_trt.export.contract import EngineLimits
     from dlite_trt.loading import load_pair
 
     hf_logging.disable_progress_bar()
-    target, draft = pair_or_bundled(target, draft)
+    check_pair_options(target, draft)
+    target, draft = (target, draft) if target is not None else bundled_pair()  # default: the tiny pair
     ctx = [int(c) for c in contexts.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         if engine is None or not (engine / "manifest.json").is_file():

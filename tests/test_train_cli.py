@@ -123,7 +123,7 @@ def test_student_is_a_loadable_lossless_dlite_v1_checkpoint(trained, learnable):
         out = pair.generator.generate([prompt], SamplingParams(max_new_tokens=20)).output_ids[0]
         assert out == hf_greedy(target, prompt, 20)
     plan = json.loads((root / "single" / "training.json").read_text())["plan"]
-    assert plan == {"stage1_steps": 0, "stage2_steps": 4, "lr": 3e-4}
+    assert plan == {"stage1_steps": 0, "stage2_steps": 4, "lr": 3e-4, "snapshot_every": 0}
 
 
 def test_rerun_resumes_and_changes_nothing(trained):
@@ -191,3 +191,26 @@ def test_train_init_writes_a_draft_that_fits_the_target(tiny_pair, tmp_path):
     bad = CliRunner().invoke(main, ["train", "init", "--target", str(target), "--out", str(tmp_path / "x"),
                                     "--mask-token-id", "999999"])
     assert bad.exit_code == 1 and "outside the target's vocabulary" in bad.output
+
+
+def test_data_with_cached_states_trains_without_the_target_forward(trained, monkeypatch):
+    """`train data --states-for DRAFT` answers as plain `train data` does and caches the states;
+    teacher and student then read them (the target's forward is never called)."""
+    target, draft, root, run, common = trained
+    texts = root / "texts"
+    run("train", "data", "--target", target, "--prompts", texts, "--out", root / "cached", "--max-prompt-tokens", "24",
+        "--max-new-tokens", "16", "--states-for", draft)
+    plain = (root / "data" / "sequences.jsonl").read_text().splitlines()
+    cached = (root / "cached" / "sequences.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in cached] == [json.loads(line) for line in plain]
+    from dlite_trt.training import pipeline
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the target ran although its states are cached")
+
+    monkeypatch.setattr(pipeline, "target_states", no_forward)
+    cached_common = [str(root / "cached") if a == root / "data" else a for a in common]
+    run("train", "teacher", *cached_common, "--out", root / "cached-teacher", "--window", "4", "--steps", "2")
+    run("train", "student", *cached_common, "--teacher", root / "cached-teacher", "--out", root / "cached-student",
+        "--stage1-steps", "1", "--stage2-steps", "1")
+    load_draft(root / "cached-student")

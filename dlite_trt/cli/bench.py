@@ -35,7 +35,7 @@ def _names(value: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]
 @click.command("bench")
 @click.option("--engine", type=click.Path(path_type=Path), metavar="DIRECTORY",
               help="Engine directory. Without it, one is built into OUT/engine from --target/--draft "
-                   "(default: the bundled pair).")
+                   "(default: SmolLM2-135M-Instruct and its bundled draft).")
 @click.option("--target", help="Model directory, .gguf file or preset (with --draft): build from it, or check --engine against it.")
 @click.option("--draft", type=click.Path(path_type=Path), help="dlite_v1 draft checkpoint directory (with --target).")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("bench-results"),
@@ -68,7 +68,7 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
     from dlite_trt.bench.report import print_tables, write_json, write_plots, write_records
     from dlite_trt.bench.suite import BenchSettings, run_bench
     from dlite_trt.bench.workloads import write_jsonl
-    from dlite_trt.bundled import check_pair_options, pair_or_bundled
+    from dlite_trt.bundled import check_pair_options, pair_or_default
     from dlite_trt.runtime.prompt_lookup import PromptLookupConfig
 
     hf_logging.disable_progress_bar()
@@ -94,7 +94,7 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
             from dlite_trt.engine.build import BuildSettings, build_engine
             from dlite_trt.export.contract import EngineLimits
 
-            src_target, src_draft = pair_or_bundled(target, draft)
+            src_target, src_draft = pair_or_default(target, draft)
             console.print(f"building an engine into {engine} (max seq len {BUILD_MAX_SEQ_LEN}, or the target's "
                           "max_position_embeddings if less)")
             build_engine(src_target, src_draft, engine,
@@ -111,7 +111,7 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
     if "reference" in method_names:
         from dlite_trt.loading import load_pair
 
-        check_target, check_draft = pair_or_bundled(target, draft)
+        check_target, check_draft = pair_or_default(target, draft)
         reference = load_pair(check_target, check_draft).generator
     loaded = load_engine(engine, target=check_target, draft=check_draft, threads=threads,
                          preload=("prefill", "step", "decode"))

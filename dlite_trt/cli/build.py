@@ -13,9 +13,9 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
 
 @click.command("build")
 @click.option("--target", help="Model directory, .gguf file or preset name (smollm2-135m, qwen3-8b, ...) "
-                                  "[default: the bundled target].")
+                                  "[default: smollm2-135m, SmolLM2-135M-Instruct].")
 @click.option("--draft", type=click.Path(path_type=Path),
-              help="dlite_v1 draft checkpoint directory [default: the bundled draft].")
+              help="dlite_v1 draft checkpoint directory [default: the draft bundled for SmolLM2].")
 @click.option("--out", required=True, type=click.Path(path_type=Path), metavar="DIRECTORY",  # a file: exit 1
               help="Engine directory to write (replaced only once the new engine is complete).")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
@@ -40,16 +40,16 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
             quiet: bool) -> None:
     """Compile a target (Qwen3, Llama or Qwen2) and a DLite draft into an engine directory.
 
-    Without --target and --draft: the bundled small target and its trained draft."""
+    Without --target and --draft: SmolLM2-135M-Instruct and the DLite draft trained for it."""
     from transformers.utils import logging as hf_logging
 
-    from dlite_trt.bundled import pair_or_bundled
+    from dlite_trt.bundled import pair_or_default
     from dlite_trt.engine.build import BuildSettings, build_engine
     from dlite_trt.export.contract import EngineLimits
 
     check_random_weights(random_weights, target)
     hf_logging.disable_progress_bar()
-    target, draft = pair_or_bundled(target, draft)
+    target, draft = pair_or_default(target, draft)
     settings = BuildSettings(backend=backend, dtype=dtype, random_weights=random_weights, workspace_gb=workspace_gb,
                              timing_cache=timing_cache, fit_seq_len_to_target=max_seq_len is None,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,

@@ -43,9 +43,9 @@ def _check_options(engine: Path | None, target: str | None, prompt: str | None, 
 @click.option("--verify", is_flag=True,
               help="With --engine: hash every engine file (by default files above 64 MiB are only size-checked).")
 @click.option("--target", help="Model directory, .gguf file or preset name (smollm2-135m, qwen3-8b, ...); "
-                               "without it and --engine, the bundled target.")
+                               "without it and --engine, smollm2-135m.")
 @click.option("--draft", type=click.Path(path_type=Path),
-              help="dlite_v1 draft checkpoint directory; without it and --engine, the bundled draft.")
+              help="dlite_v1 draft checkpoint directory; without it and --engine, the draft bundled for SmolLM2.")
 @click.option("--prompt", help="Prompt text (tokenized with the target's tokenizer).")
 @click.option("--input-ids", "input_ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=0),
@@ -72,7 +72,7 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
     ids = _parse_ids(input_ids) if input_ids is not None else None
     _check_options(engine, target, prompt, chat, random_weights, threads)
 
-    from dlite_trt.bundled import check_pair_options, pair_or_bundled
+    from dlite_trt.bundled import check_pair_options, pair_or_default
 
     check_pair_options(target, draft)
     if verify and engine is None:
@@ -99,7 +99,7 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
     else:
         from dlite_trt.loading import load_pair
 
-        target, draft = pair_or_bundled(target, draft)
+        target, draft = pair_or_default(target, draft)
         pair = load_pair(target, draft, dtype=dtype or "fp32", random_weights=random_weights)
     tok = pair.tokenizer
     if ids is None:

@@ -75,13 +75,18 @@ def _common(f):
 
 
 def _load(target: str, random_weights: bool, data: Path, init: Path):
+    """(target adapter, training data, initial draft): the data is the state cache when `train
+    data --states-for` wrote one there (no target forward while training), else the sequences."""
     from dlite_trt.checkpoint import load_draft
     from dlite_trt.model.target import TargetAdapter
     from dlite_trt.training.data import read_sequences
+    from dlite_trt.training.state_cache import META, StateCache
 
     source, hf, _ = _target(target, random_weights)
     draft = load_draft(init, target=source.spec)
     adapter = TargetAdapter(hf, source.spec, draft.cfg.target_layer_ids).eval().requires_grad_(False)
+    if (data / META).is_file():
+        return adapter, StateCache(data, draft.cfg.target_layer_ids, source.spec.vocab_size), draft
     return adapter, read_sequences(data / SEQUENCES, source.spec.vocab_size), draft
 
 
@@ -141,11 +146,18 @@ def init(target: str, out: Path, layers: int, chs_layers: int, block_size: int, 
               help="0 = greedy answers; > 0 = sampled answers.")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1),
               help="Prompts answered together in one batch.")
+@click.option("--states-for", "states_for", type=click.Path(path_type=Path, file_okay=False),
+              help="A dlite_v1 draft (e.g. from `train init`): also cache the target's states for its layers "
+                   "(fp16 hidden states, top-k next-token probabilities) so that training runs no target forward. "
+                   "Greedy only; resumable.")
+@click.option("--top-k", default=32, show_default=True, type=click.IntRange(min=1),
+              help="With --states-for: tokens of the target's distribution kept per position.")
 @click.option("--seed", default=0, show_default=True, type=SEED,
               help="Seed of the prompt cuts and of sampling (same seed, same data).")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
 def data(target: str, prompts: Path, out: Path, max_prompt_tokens: int, max_new_tokens: int,
-         max_prompts: int | None, temperature: float, batch_size: int, seed: int, random_weights: bool) -> None:
+         max_prompts: int | None, temperature: float, batch_size: int, states_for: Path | None, top_k: int, seed: int,
+         random_weights: bool) -> None:
     """Answer prompts with the target itself; write token ids to OUT/sequences.jsonl."""
     from dlite_trt.model.target import TargetAdapter
     from dlite_trt.runtime.reference import SpeculativeGenerator
@@ -154,10 +166,27 @@ def data(target: str, prompts: Path, out: Path, max_prompt_tokens: int, max_new_
 
     source, hf, tokenizer = _target(target, random_weights)
     ids = read_prompts(prompts, tokenizer, max_prompt_tokens=max_prompt_tokens, max_prompts=max_prompts, seed=seed)
+    stops = stop_token_ids(source, tokenizer)
+    if states_for is not None:
+        from dlite_trt.checkpoint import check_draft_fits_target, load_draft_config
+        from dlite_trt.training.state_cache import write_state_cache
+
+        if temperature > 0:
+            raise click.UsageError("--states-for caches greedy answers; drop --temperature")
+        cfg = load_draft_config(states_for)
+        check_draft_fits_target(cfg, source.spec)
+        layers = cfg.target_layer_ids
+        adapter = TargetAdapter(hf, source.spec, layers).eval()
+        write_state_cache(adapter, ids, out, layer_ids=layers, max_new_tokens=max_new_tokens, stop_token_ids=stops,
+                          top_k=top_k, batch_size=batch_size, target_name=source.name,
+                          log=lambda done, total, rate: click.echo(f"{done}/{total} prompts, {rate:.0f} answer "
+                                                                   "tokens/s", err=True))
+        click.echo(f"{len(ids)} sequences with the target's states for layers {list(layers)} -> {out}")
+        return
     adapter = TargetAdapter(hf, source.spec, (source.spec.num_hidden_layers - 1,))
     generator = SpeculativeGenerator.target_only(adapter)
     sequences = answer_prompts(generator, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                               batch_size=batch_size, stop_token_ids=stop_token_ids(source, tokenizer))
+                               batch_size=batch_size, stop_token_ids=stops)
     path = write_sequences(sequences, out / SEQUENCES)
     tokens = sum(len(s.answer_ids) for s in sequences)
     click.echo(f"{len(sequences)} sequences, {tokens} answer tokens -> {path}")

@@ -144,19 +144,27 @@ def read_sequences(path: Path, vocab_size: int) -> list[TrainingSequence]:
     return sequences
 
 
-def windows(sequences: Sequence[TrainingSequence], length: int, rows: Sequence[int], seed: int) -> torch.Tensor:
-    """[len(rows), length] token windows: from each chosen sequence, a seeded window that ends in its
-    answer when possible (short sequences are left-padded by repeating their first token)."""
+def window_starts(sequences: Sequence[TrainingSequence], length: int, rows: Sequence[int], seed: int) -> list[int]:
+    """Where each chosen sequence's ``length``-token window starts: seeded, ending in its answer
+    when possible; negative for a sequence shorter than the window (left padding)."""
     rng = random.Random(seed)
-    out = torch.empty(len(rows), length, dtype=torch.long)
-    for i, r in enumerate(rows):
+    starts = []
+    for r in rows:
         tokens = sequences[r].tokens
         if len(tokens) <= length:
-            tokens = [tokens[0]] * (length - len(tokens)) + tokens
-            out[i] = torch.tensor(tokens)
+            starts.append(len(tokens) - length)
             continue
         answer_start = len(sequences[r].prompt_ids)
         lo = max(0, min(answer_start - length // 2, len(tokens) - length))
-        start = rng.randint(lo, len(tokens) - length)
-        out[i] = torch.tensor(tokens[start: start + length])
+        starts.append(rng.randint(lo, len(tokens) - length))
+    return starts
+
+
+def windows(sequences: Sequence[TrainingSequence], length: int, rows: Sequence[int], seed: int) -> torch.Tensor:
+    """[len(rows), length] token windows at ``window_starts`` (short sequences are left-padded by
+    repeating their first token)."""
+    out = torch.empty(len(rows), length, dtype=torch.long)
+    for i, (r, start) in enumerate(zip(rows, window_starts(sequences, length, rows, seed), strict=True)):
+        tokens = sequences[r].tokens
+        out[i] = torch.tensor([tokens[max(0, j)] for j in range(start, start + length)])
     return out

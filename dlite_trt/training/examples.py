@@ -21,13 +21,29 @@ import torch
 from dlite_trt.model.target import TargetAdapter
 
 
+DENSE_TOP_K = 256  # tokens of the target's distribution kept when it comes as full logits
+
+
+class TargetTopK(NamedTuple):
+    """The target's next-token distribution at every position, as its top-k."""
+
+    ids: torch.Tensor  # [B, L, k] int64, most likely first
+    probs: torch.Tensor  # [B, L, k] float32
+
+    @classmethod
+    def of_logits(cls, logits: torch.Tensor, k: int = DENSE_TOP_K) -> TargetTopK:
+        probs, ids = torch.softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+        return cls(ids, probs)
+
+
 class DraftExamples(NamedTuple):
     chs: torch.Tensor  # [N, S, H] pivot hidden states
     group: torch.Tensor  # [N, G] int64 tokens ending with the anchor, left-padded with 0
     group_len: torch.Tensor  # [N] int64 G' = min(G, a + 1)
     teacher_tokens: torch.Tensor  # [N, K] int64 t_{a+1..a+K} (0 where invalid)
     labels: torch.Tensor  # [N, K] int64 the target's greedy token for d_k
-    target_logits: torch.Tensor  # [N, K, V] float32 the target's logits for d_k
+    target_ids: torch.Tensor  # [N, K, k] int64 the target's top-k tokens for d_k (most likely first)
+    target_probs: torch.Tensor  # [N, K, k] float32 their probabilities
     valid: torch.Tensor  # [N, K] bool
     window_states: torch.Tensor | None = None  # [N, W, 3, H] teacher only: layers at a-2, a-3, ..., a-1-W
     window_valid: torch.Tensor | None = None  # [N, W] bool (positions >= 0)
@@ -47,10 +63,13 @@ def target_states(target: TargetAdapter, tokens: torch.Tensor) -> tuple[torch.Te
     return out.hidden, out.logits
 
 
-def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, target: torch.Tensor | TargetTopK, anchors: torch.Tensor,
                    group_size: int, num_proposals: int, window: int = 0,
                    window_layers: tuple[int, int, int] = (0, 0, 0)) -> DraftExamples:
     """Examples at ``anchors`` [B, A] (positions 1..L-2) of each sequence; N = B * A blocks.
+
+    ``target``: the target's logits [B, L, V] (their top ``DENSE_TOP_K`` are kept) or its
+    top-k distribution at every position (``TargetTopK``, e.g. from a state cache).
 
     ``window`` > 0 adds the history-aware teacher's inputs: the hidden states of the selected
     layers ``window_layers`` (indices into S) at the W positions before the pivot.
@@ -66,7 +85,9 @@ def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, logits: torch.Ten
     target_pos = a[:, None] + k[None, :] - 1  # [N, K] the target's prediction for d_k is made here
     valid = a[:, None] + k[None, :] < length  # t_{a+k} exists
     safe = target_pos.clamp(max=length - 1)
-    block_logits = logits[rows[:, None], safe].float()  # [N, K, V]
+    if not isinstance(target, TargetTopK):
+        target = TargetTopK.of_logits(target)
+    block_ids, block_probs = target.ids[rows[:, None], safe], target.probs[rows[:, None], safe].float()  # [N, K, k]
     teacher = torch.where(valid, tokens[rows[:, None], (a[:, None] + k[None, :]).clamp(max=length - 1)], 0)
     offsets = torch.arange(group_size - 1, -1, -1, device=tokens.device)  # [G]: a-G+1 .. a
     group_pos = a[:, None] - offsets[None, :]  # [N, G]
@@ -83,7 +104,8 @@ def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, logits: torch.Ten
         group=group,
         group_len=(a + 1).clamp(max=group_size),
         teacher_tokens=teacher,
-        labels=block_logits.argmax(dim=-1),
-        target_logits=block_logits,
+        labels=block_ids[..., 0],
+        target_ids=block_ids,
+        target_probs=block_probs,
         valid=valid,
     )

@@ -1,8 +1,8 @@
 """DLite's training losses (DESIGN 1.4), as pure functions of logits.
 
 Shapes: a batch of N draft blocks, K positions each, vocabulary V. ``draft_logits`` [N, K, V];
-``target_logits`` [N, K, V] the target's logits for the same K positions (the distribution the
-draft must match); ``labels`` [N, K] int64 the target's greedy tokens there; ``valid`` [N, K]
+``target_ids`` / ``target_probs`` [N, K, k] the top-k of the target's distribution at the same
+K positions (what the draft must match); ``labels`` [N, K] int64 the target's greedy tokens there; ``valid`` [N, K]
 bool (positions past the end of a sequence do not count). Every reduction is a weighted mean
 over valid positions with the per-position weight exp(-k / gamma), k = 0..K-1: early
 positions matter more, since a block is accepted only up to its first miss.
@@ -69,16 +69,25 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
 
 
-def target_matching_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
-                         data_labels: torch.Tensor, valid: torch.Tensor,
+def target_matching_loss(draft_logits: torch.Tensor, target_ids: torch.Tensor, target_probs: torch.Tensor,
+                         labels: torch.Tensor, data_labels: torch.Tensor, valid: torch.Tensor,
                          weights: LossWeights = DEFAULT_WEIGHTS) -> dict[str, torch.Tensor]:
-    """The teacher's and stage 2's loss. Returns the total and each term (weighted means)."""
-    p_draft = F.softmax(draft_logits.float(), dim=-1)
-    p_target = F.softmax(target_logits.float(), dim=-1)
+    """The teacher's and stage 2's loss. Returns the total and each term (weighted means).
+
+    The target's distribution comes as its top-k: ``target_ids`` / ``target_probs`` [N, K, k].
+    TV is taken over those k tokens plus one bucket for all others (the rest of each
+    distribution's mass): exact when k covers the target's support, a lower bound otherwise.
+    """
+    log_q = F.log_softmax(draft_logits.float(), dim=-1)  # [N, K, V]: the one vocabulary-sized pass
+    q_top = log_q.gather(-1, target_ids).exp()  # [N, K, k]
+    p_top = target_probs.float()
+    q_rest = (1.0 - q_top.sum(-1, keepdim=True)).clamp_min(0.0)
+    p_rest = (1.0 - p_top.sum(-1, keepdim=True)).clamp_min(0.0)
+    tv = tv_distance(torch.cat([q_top, q_rest], dim=-1), torch.cat([p_top, p_rest], dim=-1))
     terms = {
-        "ce": _weighted_mean(cross_entropy(draft_logits, labels), valid, weights.gamma),
-        "tv": _weighted_mean(tv_distance(p_draft, p_target), valid, weights.gamma),
-        "base_ce": _weighted_mean(cross_entropy(draft_logits, data_labels), valid, weights.gamma),
+        "ce": _weighted_mean(-log_q.gather(-1, labels[..., None])[..., 0], valid, weights.gamma),
+        "tv": _weighted_mean(tv, valid, weights.gamma),
+        "base_ce": _weighted_mean(-log_q.gather(-1, data_labels[..., None])[..., 0], valid, weights.gamma),
     }
     terms["loss"] = weights.ce * terms["ce"] + weights.tv * terms["tv"] + weights.base_ce * terms["base_ce"]
     return terms

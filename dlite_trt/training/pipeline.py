@@ -20,15 +20,17 @@ from dlite_trt.checkpoint import save_draft
 from dlite_trt.errors import CheckpointError, ConfigError
 from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.model.target import TargetAdapter
-from dlite_trt.training.data import TrainingSequence, windows
-from dlite_trt.training.examples import DraftExamples, draft_examples, target_states
+from dlite_trt.training.data import TrainingSequence, window_starts, windows
+from dlite_trt.training.examples import DraftExamples, TargetTopK, draft_examples, target_states
 from dlite_trt.training.losses import DEFAULT_WEIGHTS, LossWeights
+from dlite_trt.training.state_cache import StateCache
 from dlite_trt.training.stages import adopt_teacher_head, release_head, stage1_loss, stage2_loss, teacher_loss
 from dlite_trt.training.teacher import HistoryAwareTeacher, window_layers
 from dlite_trt.training.trainer import TrainSettings, train
 
 TEACHER_WEIGHTS = "teacher.safetensors"
 TEACHER_CONFIG = "teacher.json"
+TrainingData = Sequence[TrainingSequence] | StateCache  # sequences, or sequences with their cached states
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,18 @@ class BatchSettings:
 
 
 class BatchSource:
-    """batch(step, rank, world) -> DraftExamples, deterministic in (seed, step)."""
+    """batch(step, rank, world) -> DraftExamples, deterministic in (seed, step).
 
-    def __init__(self, target: TargetAdapter, sequences: Sequence[TrainingSequence], draft: DLiteDraft,
+    ``data``: the sequences (the frozen target is run on each batch for its states), or a
+    ``StateCache`` of them (the states are read from disk: no target forward)."""
+
+    def __init__(self, target: TargetAdapter, data: TrainingData, draft: DLiteDraft,
                  settings: BatchSettings, window: int = 0) -> None:
-        self.target, self.sequences, self.settings, self.window = target, sequences, settings, window
+        self.target, self.settings, self.window = target, settings, window
+        self.cache = data if isinstance(data, StateCache) else None
+        self.sequences = data.sequences if isinstance(data, StateCache) else data
         self.cfg = draft.cfg
-        self.tokens_seen = 0
+        self.blocks_seen = 0
 
     def __call__(self, step: int, rank: int, world: int) -> DraftExamples:
         s = self.settings
@@ -58,26 +65,35 @@ class BatchSource:
         rows = torch.randint(0, len(self.sequences), (s.batch_seqs,), generator=g).tolist()
         anchors = torch.randint(1, s.seq_len - 1, (s.batch_seqs, s.anchors), generator=g)
         mine = slice(rank * s.batch_seqs // world, (rank + 1) * s.batch_seqs // world)
-        tokens = windows(self.sequences, s.seq_len, rows[mine], seed=s.seed * 7919 + step)
-        hidden, logits = target_states(self.target, tokens)
-        self.tokens_seen += tokens.numel()
+        seed = s.seed * 7919 + step
+        if self.cache is None:
+            tokens = windows(self.sequences, s.seq_len, rows[mine], seed=seed)
+            hidden, logits = target_states(self.target, tokens)
+        else:
+            starts = window_starts(self.sequences, s.seq_len, rows[mine], seed=seed)
+            parts = [self.cache.window(r, start, s.seq_len) for r, start in zip(rows[mine], starts, strict=True)]
+            tokens = windows(self.sequences, s.seq_len, rows[mine], seed=seed)
+            hidden = torch.stack([p["hidden"] for p in parts])
+            logits = TargetTopK(torch.stack([p["top_ids"] for p in parts]),
+                                torch.stack([p["top_probs"] for p in parts]))
+        self.blocks_seen += anchors[mine].numel()
         return draft_examples(tokens, hidden, logits, anchors[mine], self.cfg.anchor_group_size,
                               self.cfg.num_proposals, self.window, window_layers(self.cfg))
 
 
 def _logger(progress: bool, total: int, what: str) -> tuple[Callable[[int, dict], None], Callable[[], None]]:
-    """A rich progress bar showing the loss and tokens/s; (log, close)."""
+    """A rich progress bar showing the loss, draft blocks/s and the time left; (log, close)."""
     if not progress:
         return (lambda step, terms: None), (lambda: None)
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     bar = Progress(TextColumn(f"{what} {{task.completed}}/{{task.total}}"), BarColumn(),
-                   TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     task = bar.add_task(what, total=total, info="")
     bar.start()
 
     def log(step: int, terms: dict) -> None:
-        bar.update(task, completed=step + 1, info=f"loss {terms['loss']:.4f}  {terms['tokens_per_s']:.0f} tok/s")
+        bar.update(task, completed=step + 1, info=f"loss {terms['loss']:.4f}  {terms['blocks_per_s']:.0f} blocks/s")
 
     return log, bar.stop
 
@@ -94,7 +110,7 @@ def _run(module, loss_fn, source: BatchSource, settings: TrainSettings, out: Pat
     started = time.perf_counter()
 
     def with_speed(step: int, terms: dict) -> None:
-        log(step, terms | {"tokens_per_s": source.tokens_seen / max(time.perf_counter() - started, 1e-9)})
+        log(step, terms | {"blocks_per_s": source.blocks_seen / max(time.perf_counter() - started, 1e-9)})
 
     try:
         train(module, loss_fn, source, settings, out, with_speed)
@@ -102,14 +118,14 @@ def _run(module, loss_fn, source: BatchSource, settings: TrainSettings, out: Pat
         close()
 
 
-def train_teacher(target: TargetAdapter, sequences: Sequence[TrainingSequence], init: DLiteDraft, out: Path,
+def train_teacher(target: TargetAdapter, data: TrainingData, init: DLiteDraft, out: Path,
                   settings: TrainSettings, batches: BatchSettings, window: int,
                   weights: LossWeights = DEFAULT_WEIGHTS, progress: bool = True) -> HistoryAwareTeacher:
     """Train the history-aware teacher (initialised from ``init``'s weights); saved under ``out``."""
     teacher = HistoryAwareTeacher(init.cfg, window)
     teacher.draft.load_state_dict(init.state_dict())
     embed = target.embed_weight.detach()
-    source = BatchSource(target, sequences, init, batches, window)
+    source = BatchSource(target, data, init, batches, window)
     _run(teacher.train(), lambda m, ex: teacher_loss(m, ex, embed, weights), source, settings, out / "teacher-run",
          "teacher", progress)
     if _main_process():
@@ -137,12 +153,13 @@ class StudentPlan:
     stage1_steps: int  # 0: single-stage (stage 2 only)
     stage2_steps: int
     lr: float = 3e-4
+    snapshot_every: int = 0  # > 0: keep stage 2's weights every this many steps (a training-steps curve)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def train_student(target: TargetAdapter, sequences: Sequence[TrainingSequence], student: DLiteDraft, out: Path,
+def train_student(target: TargetAdapter, data: TrainingData, student: DLiteDraft, out: Path,
                   plan: StudentPlan, batches: BatchSettings, teacher: HistoryAwareTeacher | None = None,
                   weights: LossWeights = DEFAULT_WEIGHTS, progress: bool = True, runs: Path | None = None) -> Path:
     """Stage 1 (KL to the teacher, its head adopted and frozen) then stage 2 (CE + TV against the
@@ -156,13 +173,14 @@ def train_student(target: TargetAdapter, sequences: Sequence[TrainingSequence], 
         if teacher.cfg != student.cfg:
             raise ConfigError("the teacher's draft config differs from the student's; they must be isomorphic")
         adopt_teacher_head(student, teacher)
-        source = BatchSource(target, sequences, student, batches, teacher.window)
+        source = BatchSource(target, data, student, batches, teacher.window)
         _run(student.train(), lambda m, ex: stage1_loss(m, teacher, ex, embed, weights), source,
              TrainSettings(steps=plan.stage1_steps, lr=plan.lr), runs / "stage1-run", "stage 1", progress)
         release_head(student)  # the transition: everything trains again, now against the target
-    source = BatchSource(target, sequences, student, batches)
+    source = BatchSource(target, data, student, batches)
     _run(student.train(), lambda m, ex: stage2_loss(m, ex, embed, weights), source,
-         TrainSettings(steps=plan.stage2_steps, lr=plan.lr), runs / "stage2-run", "stage 2", progress)
+         TrainSettings(steps=plan.stage2_steps, lr=plan.lr, snapshot_every=plan.snapshot_every), runs / "stage2-run",
+         "stage 2", progress)
     if _main_process():  # every replica holds the same weights; one writes them
         save_draft(student.eval(), out)
         (out / "training.json").write_text(json.dumps({"plan": plan.to_dict(), "batches": asdict(batches),

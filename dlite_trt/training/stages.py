@@ -31,7 +31,8 @@ def release_head(student: DLiteDraft) -> None:
 def teacher_loss(teacher: HistoryAwareTeacher, ex: DraftExamples, embed_weight: torch.Tensor,
                  weights: LossWeights = DEFAULT_WEIGHTS) -> dict[str, torch.Tensor]:
     out = teacher(ex, embed_weight)
-    return target_matching_loss(out.logits, ex.target_logits, ex.labels, ex.teacher_tokens, ex.valid, weights)
+    return target_matching_loss(out.logits, ex.target_ids, ex.target_probs, ex.labels, ex.teacher_tokens, ex.valid,
+                                weights)
 
 
 def stage1_loss(student: DLiteDraft, teacher: HistoryAwareTeacher, ex: DraftExamples,
@@ -45,4 +46,5 @@ def stage1_loss(student: DLiteDraft, teacher: HistoryAwareTeacher, ex: DraftExam
 def stage2_loss(student: DLiteDraft, ex: DraftExamples, embed_weight: torch.Tensor,
                 weights: LossWeights = DEFAULT_WEIGHTS) -> dict[str, torch.Tensor]:
     out = student_logits(student, ex, embed_weight)
-    return target_matching_loss(out.logits, ex.target_logits, ex.labels, ex.teacher_tokens, ex.valid, weights)
+    return target_matching_loss(out.logits, ex.target_ids, ex.target_probs, ex.labels, ex.teacher_tokens, ex.valid,
+                                weights)

@@ -34,10 +34,12 @@ class TrainSettings:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     grad_clip: float = 1.0
-    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 100  # 0: only at the end
+    snapshot_every: int = 0  # > 0: also keep the module's weights every this many steps (snapshot-STEP.safetensors)
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.lr <= 0 or self.warmup_steps < 0 or self.checkpoint_every < 0:
+        if self.steps < 1 or self.lr <= 0 or self.warmup_steps < 0 or self.checkpoint_every < 0 or \
+                self.snapshot_every < 0:
             raise ConfigError(f"invalid training settings {self}: need steps >= 1, lr > 0, warmup/checkpoint >= 0")
 
     def lr_at(self, step: int) -> float:
@@ -91,6 +93,10 @@ def train(module: nn.Module, loss_fn: Callable[[nn.Module, object], dict[str, to
         if out is not None and rank == 0 and (last or (settings.checkpoint_every
                                                        and (step + 1) % settings.checkpoint_every == 0)):
             save_checkpoint(module, optimizer, step + 1, out)
+        if out is not None and rank == 0 and settings.snapshot_every and (step + 1) % settings.snapshot_every == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.detach().contiguous() for k, v in module.state_dict().items()},
+                      str(out / f"snapshot-{step + 1}.safetensors"))
     return ran
 
 
