@@ -156,8 +156,6 @@ class Target:
               help="Stop after this stage (rerun to go on).")
 @click.option("--seed", default=0, show_default=True, type=int)
 def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: int) -> None:
-    import torch
-
     from safetensors.torch import load_file
 
     from dlite_trt.checkpoint import load_draft, save_draft
@@ -172,7 +170,6 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     from dlite_trt.training.state_cache import StateCache, write_state_cache
     from dlite_trt.training.trainer import TrainSettings
 
-    torch.set_num_threads(torch.get_num_threads())
     b = BUDGETS[budget]
     seconds: dict[str, float] = json.loads((work / "seconds.json").read_text()) if (work / "seconds.json").is_file() \
         else {}

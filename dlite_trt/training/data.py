@@ -163,8 +163,14 @@ def window_starts(sequences: Sequence[TrainingSequence], length: int, rows: Sequ
 def windows(sequences: Sequence[TrainingSequence], length: int, rows: Sequence[int], seed: int) -> torch.Tensor:
     """[len(rows), length] token windows at ``window_starts`` (short sequences are left-padded by
     repeating their first token)."""
+    return window_tokens(sequences, length, rows, window_starts(sequences, length, rows, seed))
+
+
+def window_tokens(sequences: Sequence[TrainingSequence], length: int, rows: Sequence[int],
+                  starts: Sequence[int]) -> torch.Tensor:
+    """[len(rows), length] tokens of the windows at ``starts`` (negative positions repeat token 0)."""
     out = torch.empty(len(rows), length, dtype=torch.long)
-    for i, (r, start) in enumerate(zip(rows, window_starts(sequences, length, rows, seed), strict=True)):
+    for i, (r, start) in enumerate(zip(rows, starts, strict=True)):
         tokens = sequences[r].tokens
         out[i] = torch.tensor([tokens[max(0, j)] for j in range(start, start + length)])
     return out

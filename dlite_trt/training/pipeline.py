@@ -20,7 +20,7 @@ from dlite_trt.checkpoint import save_draft
 from dlite_trt.errors import CheckpointError, ConfigError
 from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.model.target import TargetAdapter
-from dlite_trt.training.data import TrainingSequence, window_starts, windows
+from dlite_trt.training.data import TrainingSequence, window_starts, window_tokens, windows
 from dlite_trt.training.examples import DraftExamples, TargetTopK, draft_examples, target_states
 from dlite_trt.training.losses import DEFAULT_WEIGHTS, LossWeights
 from dlite_trt.training.state_cache import StateCache
@@ -72,7 +72,7 @@ class BatchSource:
         else:
             starts = window_starts(self.sequences, s.seq_len, rows[mine], seed=seed)
             parts = [self.cache.window(r, start, s.seq_len) for r, start in zip(rows[mine], starts, strict=True)]
-            tokens = windows(self.sequences, s.seq_len, rows[mine], seed=seed)
+            tokens = window_tokens(self.sequences, s.seq_len, rows[mine], starts)
             hidden = torch.stack([p["hidden"] for p in parts])
             logits = TargetTopK(torch.stack([p["top_ids"] for p in parts]),
                                 torch.stack([p["top_probs"] for p in parts]))
