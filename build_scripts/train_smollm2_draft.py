@@ -31,9 +31,9 @@ from pathlib import Path
 import click
 
 BUDGETS = {
-    "smoke": {"prompts": {"file": 6, "docstring": 3, "chat": 3}, "answer_tokens": 16, "prompt_tokens": 96,
+    "smoke": {"prompts": {"file": 4, "docstring": 2, "chat": 2}, "answer_tokens": 12, "prompt_tokens": 96,
               "teacher": 4, "stage1": 2, "stage2": 4, "batch_seqs": 2, "anchors": 8, "seq_len": 64,
-              "measure": {"files": 2, "chat": 2, "other": 2, "prompt_tokens": 64, "new_tokens": 24}},
+              "measure": {"files": 1, "chat": 1, "other": 1, "prompt_tokens": 64, "new_tokens": 16}},
     "full": {"prompts": {"file": 420, "docstring": 120, "chat": 120}, "answer_tokens": 96, "prompt_tokens": 320,
              "teacher": 200, "stage1": 100, "stage2": 400, "batch_seqs": 8, "anchors": 16, "seq_len": 256,
              "measure": {"files": 24, "chat": 16, "other": 16, "prompt_tokens": 256, "new_tokens": 128}},

@@ -116,3 +116,23 @@ def test_batches_from_the_cache_equal_batches_on_the_fly(setup, tmp_path):
     order = fly.target_ids.argsort(-1)  # both hold the whole distribution (k = V): compare as sets
     torch.testing.assert_close(cached.target_probs.gather(-1, cached.target_ids.argsort(-1)),
                                fly.target_probs.gather(-1, order), atol=1e-3, rtol=1e-2)
+
+
+def test_answer_anchors_predict_only_the_targets_own_answer(setup):
+    """anchor_region="answer": every block's first proposal is an answer token; the default
+    ("window") also anchors in the prompt."""
+    from dlite_trt.model.draft import DLiteDraft
+    from dlite_trt.training.data import TrainingSequence
+
+    _, cfg, adapter, _ = setup
+    # prompts of token 1 only, answers never 1: the first proposal's token says where it lies
+    sequences = [TrainingSequence((1,) * n, tuple(range(2, 2 + NEW))) for n in (20, 9, 30)]
+    first = {}
+    for region in ("window", "answer"):
+        settings = BatchSettings(seq_len=16, batch_seqs=3, anchors=8, seed=1, anchor_region=region)
+        ex = BatchSource(adapter, sequences, DLiteDraft(cfg), settings)(3, 0, 1)
+        first[region] = ex.teacher_tokens[:, 0][ex.valid[:, 0]]
+    assert (first["answer"] != 1).all() and first["answer"].numel() == 24
+    assert (first["window"] == 1).any()
+    with pytest.raises(ConfigError, match="anchor_region"):
+        BatchSettings(anchor_region="prompt")

@@ -20,7 +20,7 @@ from dlite_trt.checkpoint import save_draft
 from dlite_trt.errors import CheckpointError, ConfigError
 from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.model.target import TargetAdapter
-from dlite_trt.training.data import TrainingSequence, window_starts, window_tokens, windows
+from dlite_trt.training.data import TrainingSequence, window_starts, window_tokens
 from dlite_trt.training.examples import DraftExamples, TargetTopK, draft_examples, target_states
 from dlite_trt.training.losses import DEFAULT_WEIGHTS, LossWeights
 from dlite_trt.training.state_cache import StateCache
@@ -31,6 +31,7 @@ from dlite_trt.training.trainer import TrainSettings, train
 TEACHER_WEIGHTS = "teacher.safetensors"
 TEACHER_CONFIG = "teacher.json"
 TrainingData = Sequence[TrainingSequence] | StateCache  # sequences, or sequences with their cached states
+ANCHOR_REGIONS = ("window", "answer")
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,13 @@ class BatchSettings:
     batch_seqs: int = 8
     anchors: int = 16  # blocks per window
     seed: int = 0
+    anchor_region: str = "window"  # "window": anywhere in it; "answer": only at the target's own answer
 
     def __post_init__(self) -> None:
         if self.seq_len < 4 or self.batch_seqs < 1 or self.anchors < 1:
             raise ConfigError(f"invalid batch settings {self}: need seq_len >= 4, batch_seqs >= 1, anchors >= 1")
+        if self.anchor_region not in ANCHOR_REGIONS:
+            raise ConfigError(f"anchor_region must be one of {', '.join(ANCHOR_REGIONS)}, got {self.anchor_region!r}")
 
 
 class BatchSource:
@@ -63,16 +67,19 @@ class BatchSource:
         s = self.settings
         g = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
         rows = torch.randint(0, len(self.sequences), (s.batch_seqs,), generator=g).tolist()
-        anchors = torch.randint(1, s.seq_len - 1, (s.batch_seqs, s.anchors), generator=g)
+        starts = window_starts(self.sequences, s.seq_len, rows, seed=s.seed * 7919 + step)
+        if s.anchor_region == "window":
+            anchors = torch.randint(1, s.seq_len - 1, (s.batch_seqs, s.anchors), generator=g)
+        else:  # from the window's first answer position (the block before it predicts it) to its end
+            anchors = torch.stack([torch.randint(min(max(1, len(self.sequences[r].prompt_ids) - 1 - start),
+                                                     s.seq_len - 3), s.seq_len - 1, (s.anchors,), generator=g)
+                                   for r, start in zip(rows, starts, strict=True)])
         mine = slice(rank * s.batch_seqs // world, (rank + 1) * s.batch_seqs // world)
-        seed = s.seed * 7919 + step
+        tokens = window_tokens(self.sequences, s.seq_len, rows[mine], starts[mine])
         if self.cache is None:
-            tokens = windows(self.sequences, s.seq_len, rows[mine], seed=seed)
             hidden, logits = target_states(self.target, tokens)
         else:
-            starts = window_starts(self.sequences, s.seq_len, rows[mine], seed=seed)
-            parts = [self.cache.window(r, start, s.seq_len) for r, start in zip(rows[mine], starts, strict=True)]
-            tokens = window_tokens(self.sequences, s.seq_len, rows[mine], starts)
+            parts = [self.cache.window(r, start, s.seq_len) for r, start in zip(rows[mine], starts[mine], strict=True)]
             hidden = torch.stack([p["hidden"] for p in parts])
             logits = TargetTopK(torch.stack([p["top_ids"] for p in parts]),
                                 torch.stack([p["top_probs"] for p in parts]))

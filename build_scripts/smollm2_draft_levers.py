@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Levers on the SmolLM2 draft's acceptance length, each measured against the same control.
+
+Reads the state cache and the initial draft that `train_smollm2_draft.py` left in --work (run
+that first, at least `--until data`). Every training experiment is a single-stage student
+(stage 2: CE + TV against the target) trained for --steps on the same seeded batches; every
+figure is the teacher-forced acceptance length on the same held-out standard-library files
+(the first --files, each continued from its first 256 tokens by 128 tokens of target-only
+greedy decoding, cached in --out), per block position and by the target's confidence
+(`train_smollm2_draft.agreement`).
+
+Experiments (names on the command line; default: all, each skipped when its result exists):
+- random:        the control, dlite_v1's default initialisation;
+- informed:      a target-informed initialisation (``informed_init``): the context slots centred
+                 (layer_depth_embedding = minus each layer's mean state, which removes SmolLM2's
+                 massive activations before context_norm), the head's output side a whitened
+                 rank-r factorisation of the target's LM head, its token embedding the top-r
+                 principal directions of the target's, the final norm the target's;
+- informed-layers: the same plus the draft layers copied from the target's last layers;
+- informed-seed1: informed on other batches (batch seed 1): the noise of one comparison;
+- informed-lr3e-3: the same as informed at 3x the learning rate;
+- informed-answer-anchors: informed, every block anchored in the target's own answer (the
+                 positions decoding sees) instead of anywhere in the window;
+- data-25, data-50: informed on the first 25% / 50% of the cached sequences (the data-volume
+                 curve; informed is 100%);
+- head-only:     no training: the bundled draft with its backbone's output zeroed (what its head
+                 does without the pivot's states);
+- head-rank:     no training: the agreement of a linear rank-r readout of the target's own final
+                 state with the target's greedy token (the best case of a rank-r head).
+
+    python build_scripts/smollm2_draft_levers.py --work /work/runs/smollm2 --out /work/runs/levers
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_smollm2_draft import Target, agreement  # noqa: E402  (the same target and measurement)
+
+INFORMED = ("center", "head", "prev_embedding", "norm")
+TRAINED = {  # name -> (initialisation parts, learning rate, share of the data, anchor region, batch seed)
+    "random": ((), 1e-3, 1.0, "window", 0),
+    "informed": (INFORMED, 1e-3, 1.0, "window", 0),
+    "informed-seed1": (INFORMED, 1e-3, 1.0, "window", 1),
+    "informed-layers": ((*INFORMED, "layers"), 1e-3, 1.0, "window", 0),
+    "informed-lr3e-3": (INFORMED, 3e-3, 1.0, "window", 0),
+    "informed-answer-anchors": (INFORMED, 1e-3, 1.0, "answer", 0),
+    "data-25": (INFORMED, 1e-3, 0.25, "window", 0),
+    "data-50": (INFORMED, 1e-3, 0.5, "window", 0),
+}
+MEASURED = ("head-only", "head-rank")
+
+
+def sample_states(cache, rows: int, seed: int = 0):
+    """[N, S, H] cached states of ``rows`` random sequences, positions 4.. (past the attention sink)."""
+    import numpy as np
+    import torch
+
+    picked = np.random.default_rng(seed).choice(len(cache.sequences), min(rows, len(cache.sequences)), replace=False)
+    return torch.cat([cache.window(int(r), 4, len(cache.sequences[r].tokens) - 4)["hidden"] for r in picked])
+
+
+def whitened_factors(lm_head, final_states, rank: int):
+    """(A [V, r], B [r, H]) with A @ B the rank-r W minimising E||(W - A B) h||^2 over the states h."""
+    import torch
+
+    h = final_states.double()
+    eigval, eigvec = torch.linalg.eigh(h.T @ h / len(h))
+    eigval = eigval.clamp_min(1e-6 * eigval.max())
+    root, inv_root = (eigvec * eigval.sqrt()) @ eigvec.T, (eigvec / eigval.sqrt()) @ eigvec.T
+    u, s, vh = torch.linalg.svd(lm_head.double() @ root, full_matrices=False)
+    half = s[:rank].sqrt()
+    return (u[:, :rank] * half).float(), (half[:, None] * vh[:rank] @ inv_root).float()
+
+
+def informed_init(draft, target, states, parts) -> None:
+    """Overwrite ``parts`` of ``draft``'s weights from the target and its cached states."""
+    import torch
+
+    cfg, sd = draft.cfg, draft.state_dict()
+    rank, lm_head = cfg.sequential_rank, target.hf.lm_head.weight.detach().float()
+    if "center" in parts:
+        for slot, layer in enumerate(cfg.target_layer_ids):
+            sd["layer_depth_embedding.weight"][layer] = -states[:, slot].mean(0)
+    if "head" in parts:  # the last slot is the target's final (normed) state
+        out_side, in_side = whitened_factors(lm_head, states[:, -1], rank)
+        sd["sequential_head.output_proj.weight"] = out_side
+        mlp = torch.zeros(rank, rank + cfg.hidden_size)
+        mlp[:, rank:] = in_side  # the state's columns start at zero
+        sd["sequential_head.state_hidden_mlp.weight"] = mlp
+        sd["sequential_head.state_hidden_mlp.bias"] = torch.zeros(rank)
+    if "prev_embedding" in parts:
+        centred = lm_head - lm_head.mean(0)
+        projected = centred @ torch.linalg.svd(centred, full_matrices=False)[2][:rank].T
+        sd["sequential_head.prev_token_embedding.weight"] = projected / projected.std()
+    if "norm" in parts:
+        sd["norm.weight"] = target.hf.model.norm.weight.detach().float().clone()
+    if "layers" in parts:
+        for i, layer in enumerate(target.hf.model.layers[-cfg.num_hidden_layers:]):
+            for name, weight in layer.state_dict().items():
+                if f"layers.{i}.{name}" in sd and sd[f"layers.{i}.{name}"].shape == weight.shape:
+                    sd[f"layers.{i}.{name}"] = weight.detach().float().clone()
+    draft.load_state_dict(sd, strict=True)
+
+
+@click.command()
+@click.argument("names", nargs=-1, type=click.Choice([*TRAINED, *MEASURED]))
+@click.option("--work", type=click.Path(path_type=Path, file_okay=False), default=Path("build/smollm2-draft-runs"),
+              show_default=True, help="train_smollm2_draft.py's --work (its data cache and init draft).")
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("build/smollm2-draft-levers"),
+              show_default=True, help="Results (NAME.json) and each run's resumable state.")
+@click.option("--steps", default=200, show_default=True, type=click.IntRange(min=1))
+@click.option("--files", default=12, show_default=True, type=click.IntRange(min=1), help="Held-out files measured.")
+@click.option("--draft", "bundled", type=click.Path(path_type=Path, file_okay=False),
+              default=Path("dlite_trt/bundled/smollm2"), show_default=True, help="The draft head-only measures.")
+def main(names: tuple[str, ...], work: Path, out: Path, steps: int, files: int, bundled: Path) -> None:
+    import torch
+
+    from dlite_trt.checkpoint import load_draft
+    from dlite_trt.model.target import TargetAdapter
+    from dlite_trt.runtime.reference import SpeculativeGenerator
+    from dlite_trt.runtime.session import SamplingParams
+    from dlite_trt.tiny_models import stdlib_files
+    from dlite_trt.training.pipeline import BatchSettings, StudentPlan, train_student
+    from dlite_trt.training.state_cache import StateCache
+
+    target = Target()
+    init_dir = work / "init"
+    cfg = load_draft(init_dir, target=target.spec).cfg
+    adapter = TargetAdapter(target.hf, target.spec, cfg.target_layer_ids).eval()
+    cache = StateCache(work / "data", cfg.target_layer_ids, target.spec.vocab_size)
+    out.mkdir(parents=True, exist_ok=True)
+
+    held = out / "held_out.json"
+    if not held.is_file():
+        tok = target.tokenizer
+        prompts = [tok.encode(p.read_text(errors="replace"), add_special_tokens=False)[:256]
+                   for p in stdlib_files("held_out")[:files]]
+        outputs = SpeculativeGenerator.target_only(adapter).session(prompts).generate_target_only(
+            SamplingParams(max_new_tokens=128, stop_token_ids=target.stops)).output_ids
+        held.write_text(json.dumps({"prompts": prompts, "outputs": [list(o) for o in outputs]}))
+    held_out = json.loads(held.read_text())
+
+    def evaluate(draft) -> dict:
+        got = agreement(target, draft.float().eval(), held_out["prompts"], held_out["outputs"])
+        return {"teacher_forced_acceptance_length": got["teacher_forced_acceptance_length"],
+                "per_position_agreement": got["per_position_agreement"],
+                "by_target_confidence": got["by_target_confidence"]}
+
+    results = {}
+    for name in names or (*TRAINED, *MEASURED):
+        path = out / f"{name}.json"
+        if path.is_file():
+            results[name] = json.loads(path.read_text())
+            continue
+        started = time.perf_counter()
+        if name == "head-only":
+            draft = load_draft(bundled, target=target.spec).float()
+            backbone = draft.backbone
+            draft.backbone = lambda *a, **k: torch.zeros_like(backbone(*a, **k))
+            result = {"draft": str(bundled), "trained": evaluate(draft)}
+        elif name == "head-rank":
+            states = sample_states(cache, 160)
+            train, test = states[: len(states) * 3 // 4], states[len(states) * 3 // 4:]
+            lm_head = target.hf.lm_head.weight.detach().float()
+            greedy = (test[:, -1] @ lm_head.T).argmax(-1)
+            result = {"positions": len(test)}
+            for rank in (128, 192, 256):
+                a, b = whitened_factors(lm_head, train[:, -1], rank)
+                result[f"rank_{rank}_top1_agreement"] = round(float(((test[:, -1] @ b.T @ a.T).argmax(-1) == greedy)
+                                                                    .float().mean()), 3)
+        else:
+            parts, lr, share, region, seed = TRAINED[name]
+            draft = load_draft(init_dir, target=target.spec).float()
+            if parts:
+                informed_init(draft, target, sample_states(cache, 200), set(parts))
+            at_init = evaluate(draft)
+            everything = cache.sequences
+            cache.sequences = everything[: max(1, int(len(everything) * share))]  # the first share: prompts are shuffled
+            try:
+                train_student(adapter, cache, draft, out / name, StudentPlan(0, steps, lr=lr),
+                              BatchSettings(seq_len=256, batch_seqs=8, anchors=16, seed=seed, anchor_region=region),
+                              runs=out / f"{name}-runs",
+                              progress=False)
+            finally:
+                cache.sequences = everything
+            result = {"parts": list(parts), "lr": lr, "data_share": share, "anchor_region": region, "batch_seed": seed,
+                      "steps": steps, "init": at_init,
+                      "trained": evaluate(load_draft(out / name, target=target.spec))}
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        results[name] = result
+    for name, result in results.items():
+        figure = result.get("trained", {}).get("teacher_forced_acceptance_length", "")
+        click.echo(f"{name:18s} {figure!s:>6s}  " + json.dumps({k: v for k, v in result.items()
+                                                                if k not in ("init", "trained")}))
+
+
+if __name__ == "__main__":
+    main()
