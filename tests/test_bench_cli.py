@@ -173,3 +173,13 @@ def test_dataset_name_clash_and_ngram_sizes(engine, tmp_path):
     assert result.exit_code != 0 and "two workloads are named 'chat'" in result.output
     result = _bench("--engine", str(engine), "--ngram-min", "4", "--ngram-max", "3")
     assert result.exit_code == 2 and "--ngram-min 4 is above --ngram-max 3" in result.output
+
+
+def test_step_profile_at_the_longest_context_the_engine_allows(engine):
+    """The kernel profile's cache stays within the engine's largest (its max_seq_len plus a
+    block): the bench measures contexts up to max_seq_len - steps - 2 blocks."""
+    from dlite_trt.bench.context_cost import step_profile
+
+    longest = 8192 - 16 - 2 * 8  # the bench's longest context on this engine (8 steps, block 8)
+    rows = step_profile(engine, [longest], runs=2)
+    assert rows[str(longest)]["runs"] == 2 and rows[str(longest)]["target_ms"] > 0

@@ -70,13 +70,14 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, runs: int = 50, t
     import onnxruntime as ort
 
     from dlite_trt.engine.manifest import load_manifest
-    from dlite_trt.export.contract import dummy_inputs
+    from dlite_trt.export.contract import cache_capacity_max, dummy_inputs
     from dlite_trt.export.recurrence import OP_NAME
     from dlite_trt.model.draft import DLiteDraft
 
     manifest = load_manifest(engine_dir)
     draft_scopes = tuple(f"/{name}" for name, _ in DLiteDraft(manifest.draft_config).named_children())
     spec = manifest.contract["step"]
+    largest_cache = cache_capacity_max(manifest.limits, manifest.draft_config.block_size)
     warmup = 5
     sessions, feeds = {}, {}
     for ctx in contexts:
@@ -88,7 +89,8 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, runs: int = 50, t
             so.intra_op_num_threads = threads
         sessions[ctx] = ort.InferenceSession(str(engine_dir / manifest.graphs["step"]["onnx"]), so,
                                              providers=["CPUExecutionProvider"])
-        feeds[ctx] = dummy_inputs(spec, {"batch": 1, "cache": ctx + 128}, vocab_size=manifest.target_spec.vocab_size,
+        cache = min(ctx + 128, largest_cache)  # room for the block, within the engine's largest cache
+        feeds[ctx] = dummy_inputs(spec, {"batch": 1, "cache": cache}, vocab_size=manifest.target_spec.vocab_size,
                                   rng=np.random.default_rng(0))
         feeds[ctx]["past_len"][:] = ctx
     for _ in range(runs + warmup):  # contexts interleaved call by call: load bursts hit them all alike
