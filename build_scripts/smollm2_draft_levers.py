@@ -19,8 +19,8 @@ Experiments (names on the command line; default: all, each skipped when its resu
 - informed-layers: the same plus the draft layers copied from the target's last layers;
 - informed-seed1: informed on other batches (batch seed 1): the noise of one comparison;
 - informed-lr3e-3: the same as informed at 3x the learning rate;
-- informed-answer-anchors: informed, every block anchored in the target's own answer (the
-                 positions decoding sees) instead of anywhere in the window;
+- informed-answer-anchors: informed, only blocks whose proposals are the target's own answer
+                 (what decoding drafts) instead of blocks anywhere in the window;
 - data-25, data-50: informed on the first 25% / 50% of the cached sequences (the data-volume
                  curve; informed is 100%);
 - head-only:     no training: the bundled draft with its backbone's output zeroed (what its head

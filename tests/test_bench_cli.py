@@ -180,6 +180,6 @@ def test_step_profile_at_the_longest_context_the_engine_allows(engine):
     block): the bench measures contexts up to max_seq_len - steps - 2 blocks."""
     from dlite_trt.bench.context_cost import step_profile
 
-    longest = 8192 - 16 - 2 * 8  # the bench's longest context on this engine (8 steps, block 8)
+    longest = 8192 - 2 * 8 - 16  # as the bench's longest: max_seq_len - steps - 2 blocks (here 16 steps)
     rows = step_profile(engine, [longest], runs=2)
     assert rows[str(longest)]["runs"] == 2 and rows[str(longest)]["target_ms"] > 0

@@ -125,14 +125,17 @@ def test_answer_anchors_predict_only_the_targets_own_answer(setup):
     from dlite_trt.training.data import TrainingSequence
 
     _, cfg, adapter, _ = setup
-    # prompts of token 1 only, answers never 1: the first proposal's token says where it lies
-    sequences = [TrainingSequence((1,) * n, tuple(range(2, 2 + NEW))) for n in (20, 9, 30)]
+    # prompts of token 1 only, answers never 1: the first proposal's token says where it lies.
+    # In 16-token windows the answers start at different places (a one-token answer: the last)
+    sequences = [TrainingSequence((1,) * p, tuple(range(2, 2 + a))) for p, a in ((20, 6), (9, 3), (30, 12), (14, 1))]
     first = {}
     for region in ("window", "answer"):
-        settings = BatchSettings(seq_len=16, batch_seqs=3, anchors=8, seed=1, anchor_region=region)
-        ex = BatchSource(adapter, sequences, DLiteDraft(cfg), settings)(3, 0, 1)
-        first[region] = ex.teacher_tokens[:, 0][ex.valid[:, 0]]
-    assert (first["answer"] != 1).all() and first["answer"].numel() == 24
-    assert (first["window"] == 1).any()
+        for step in range(4):
+            settings = BatchSettings(seq_len=16, batch_seqs=4, anchors=8, seed=1, anchor_region=region)
+            ex = BatchSource(adapter, sequences, DLiteDraft(cfg), settings)(step, 0, 1)
+            first.setdefault(region, []).append(ex.teacher_tokens[:, 0][ex.valid[:, 0]])
+    answer, window = torch.cat(first["answer"]), torch.cat(first["window"])
+    assert (answer != 1).all() and answer.numel() == 4 * 4 * 8
+    assert (answer == 2).any() and (window == 1).any()  # first answer tokens drafted; the default drafts prompts
     with pytest.raises(ConfigError, match="anchor_region"):
         BatchSettings(anchor_region="prompt")

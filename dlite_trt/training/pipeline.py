@@ -40,7 +40,7 @@ class BatchSettings:
     batch_seqs: int = 8
     anchors: int = 16  # blocks per window
     seed: int = 0
-    anchor_region: str = "window"  # "window": anywhere in it; "answer": only at the target's own answer
+    anchor_region: str = "window"  # "window": anywhere in it; "answer": blocks that draft the target's answer
 
     def __post_init__(self) -> None:
         if self.seq_len < 4 or self.batch_seqs < 1 or self.anchors < 1:
@@ -70,10 +70,10 @@ class BatchSource:
         starts = window_starts(self.sequences, s.seq_len, rows, seed=s.seed * 7919 + step)
         if s.anchor_region == "window":
             anchors = torch.randint(1, s.seq_len - 1, (s.batch_seqs, s.anchors), generator=g)
-        else:  # from the window's first answer position (the block before it predicts it) to its end
-            anchors = torch.stack([torch.randint(min(max(1, len(self.sequences[r].prompt_ids) - 1 - start),
-                                                     s.seq_len - 3), s.seq_len - 1, (s.anchors,), generator=g)
-                                   for r, start in zip(rows, starts, strict=True)])
+        else:  # blocks whose first proposal is an answer token: anchors from the last prompt token on
+            firsts = [min(max(1, len(self.sequences[r].prompt_ids) - 1 - start), s.seq_len - 2)
+                      for r, start in zip(rows, starts, strict=True)]
+            anchors = torch.stack([torch.randint(first, s.seq_len - 1, (s.anchors,), generator=g) for first in firsts])
         mine = slice(rank * s.batch_seqs // world, (rank + 1) * s.batch_seqs // world)
         tokens = window_tokens(self.sequences, s.seq_len, rows[mine], starts[mine])
         if self.cache is None:
