@@ -116,11 +116,15 @@ def informed_init(draft, target, states, parts) -> None:
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("build/smollm2-draft-levers"),
               show_default=True, help="Results (NAME.json) and each run's resumable state.")
 @click.option("--steps", default=200, show_default=True, type=click.IntRange(min=1))
+@click.option("--snapshots", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Also measure this many evenly spaced snapshots of each trained run (a training-steps curve).")
 @click.option("--files", default=12, show_default=True, type=click.IntRange(min=1), help="Held-out files measured.")
 @click.option("--draft", "bundled", type=click.Path(path_type=Path, file_okay=False),
               default=Path("dlite_trt/bundled/smollm2"), show_default=True, help="The draft head-only measures.")
-def main(names: tuple[str, ...], work: Path, out: Path, steps: int, files: int, bundled: Path) -> None:
+def main(names: tuple[str, ...], work: Path, out: Path, steps: int, snapshots: int, files: int,
+         bundled: Path) -> None:
     import torch
+    from safetensors.torch import load_file
 
     from dlite_trt.checkpoint import load_draft
     from dlite_trt.model.target import TargetAdapter
@@ -184,7 +188,7 @@ def main(names: tuple[str, ...], work: Path, out: Path, steps: int, files: int, 
             everything = cache.sequences
             cache.sequences = everything[: max(1, int(len(everything) * share))]  # the first share: prompts are shuffled
             try:
-                train_student(adapter, cache, draft, out / name, StudentPlan(0, steps, lr=lr),
+                train_student(adapter, cache, draft, out / name, StudentPlan(0, steps, lr=lr, snapshot_every=steps // snapshots if snapshots else 0),
                               BatchSettings(seq_len=256, batch_seqs=8, anchors=16, seed=seed, anchor_region=region),
                               runs=out / f"{name}-runs",
                               progress=False)
@@ -193,6 +197,13 @@ def main(names: tuple[str, ...], work: Path, out: Path, steps: int, files: int, 
             result = {"parts": list(parts), "lr": lr, "data_share": share, "anchor_region": region, "batch_seed": seed,
                       "steps": steps, "init": at_init,
                       "trained": evaluate(load_draft(out / name, target=target.spec))}
+            curve = {}
+            for snap in sorted((out / f"{name}-runs" / "stage2-run").glob("snapshot-*.safetensors"),
+                               key=lambda p: int(p.stem[9:])):
+                draft.load_state_dict(load_file(str(snap)), strict=True)
+                curve[snap.stem[9:]] = evaluate(draft)["teacher_forced_acceptance_length"]
+            if curve:
+                result["steps_curve"] = curve
         result["seconds"] = round(time.perf_counter() - started, 1)
         path.write_text(json.dumps(result, indent=2) + "\n")
         results[name] = result

@@ -17,6 +17,21 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     return make_tiny_pair(out, vocab_size=512, max_files=40)
 
 
+@pytest.fixture(scope="session")
+def tiny_oracle():
+    """Target-only greedy continuations of the bundled tiny target from transformers, and its tokenizer."""
+    from functools import partial
+
+    from helpers import hf_greedy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dlite_trt.bundled import bundled_pair
+
+    target = bundled_pair()[0]
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    return partial(hf_greedy, hf), AutoTokenizer.from_pretrained(target)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def dlite_cache(tmp_path_factory) -> Path:
     """The whole run caches GGUF conversions under one tmp dir (never ~/.cache): each file is

@@ -19,7 +19,7 @@ from functools import partial
 
 import numpy as np
 import pytest
-from helpers import cut_at_stop_string, hf_greedy, stop_inside_a_step, stop_string_inside_a_step
+from helpers import cut_at_stop_string, stop_inside_a_step, stop_string_inside_a_step
 
 from dlite_trt.bundled import bundled_pair
 from dlite_trt.engine.build import BuildSettings, build_engine
@@ -64,13 +64,8 @@ def server(repo):
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    """Target-only greedy continuations from transformers, and the tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target = bundled_pair()[0]
-    hf = AutoModelForCausalLM.from_pretrained(target).eval()
-    return partial(hf_greedy, hf), AutoTokenizer.from_pretrained(target)
+def oracle(tiny_oracle):
+    return tiny_oracle
 
 
 @pytest.fixture(scope="module")
@@ -404,7 +399,8 @@ def test_serve_command_runs_until_ctrl_c(engine, tmp_path):
     import time
 
     ports = _ports()
-    proc = subprocess.Popen([sys.executable, "-m", "dlite_trt.cli", "serve", "--engine", str(engine), "--threads", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "dlite_trt.cli", "serve", "--frontend", "triton", "--engine", str(engine),
+                             "--threads", "1",
                              *(f"--{k.replace('_', '-')}={v}" for k, v in ports.items())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -12,10 +12,11 @@ from dlite_trt.errors import DLiteError
 # subcommand name -> (module under dlite_trt.cli, one-line help shown by --help without importing it)
 SUBCOMMANDS = {
     "bench": ("bench", "Benchmark DLite against target-only decoding and n-gram lookup, side by side."),
+    "bench-serve": ("bench_serve", "Replay multi-turn agent sessions through the OpenAI server (TTFT, reuse, tok/s)."),
     "build": ("build", "Compile a target (Qwen3, Llama, Qwen2) and a DLite draft into an engine directory."),
     "import-gguf": ("import_gguf", "Convert a GGUF file into a Hugging Face model directory (dequantized)."),
     "generate": ("generate", "Generate with a target and a DLite draft (speculative decoding)."),
-    "serve": ("serve", "Serve an engine from a real Triton Inference Server (HTTP, gRPC, streaming)."),
+    "serve": ("serve", "Serve an engine: an OpenAI-compatible API (in-flight batching, prefix reuse) or Triton."),
     "triton-repo": ("triton_repo", "Write a Triton model repository that serves an engine."),
     "train": ("train", "Train DLite drafts with the two-stage recipe (data, teacher, student)."),
 }

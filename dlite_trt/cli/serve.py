@@ -1,4 +1,10 @@
-"""`dlite-trt serve`: a real Triton Inference Server running an engine, until Ctrl-C."""
+"""`dlite-trt serve`: an engine behind an OpenAI-compatible server (the default) or a real Triton
+Inference Server, until Ctrl-C.
+
+The OpenAI frontend is the default: it is what agents speak (/v1/chat/completions, streaming),
+it needs nothing beyond the base install, and it is where in-flight batching and prefix reuse
+live. `--frontend triton` serves the KServe v2 / generate endpoints from Triton (the `triton` extra).
+"""
 
 from __future__ import annotations
 
@@ -12,42 +18,108 @@ import click
 from dlite_trt.cli.inputs import check_engine_dir
 from dlite_trt.cli.serve_options import ENGINE, INSTANCES, MAX_BATCH, THREADS
 
+TRITON_ONLY = ("grpc_port", "metrics_port", "instances", "max_batch", "repo")
+OPENAI_ONLY = ("served_model_name", "speculative", "kv_cache_gb", "prefix_cache", "max_queue", "default_temperature")
+
 
 @click.command("serve")
 @ENGINE
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP and gRPC endpoints bind.")
-@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535),
-              help="Port of the HTTP endpoint (KServe v2 and /generate).")
+@click.option("--frontend", type=click.Choice(["openai", "triton"]), default="openai", show_default=True,
+              help="openai: the OpenAI API with in-flight batching and prefix reuse; triton: a Triton server.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the server binds.")
+@click.option("--port", "--http-port", "port", default=8000, show_default=True, type=click.IntRange(1, 65535),
+              help="HTTP port (the OpenAI API, or Triton's KServe v2 and /generate).")
+@click.option("--served-model-name", help="The model's name in the API [default: the target's name]. (openai)")
+@click.option("--speculative", type=click.Choice(["dlite", "ngram", "none"]), default="dlite", show_default=True,
+              help="How each step drafts: DLite, n-gram prompt lookup, or not at all (the baselines). (openai)")
+@click.option("--kv-cache-gb", default=4.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
+              help="KV memory: the running batch's cache plus finished sequences kept for reuse. (openai)")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Keep finished sequences' KV entries and reuse them for prompts that start the same. (openai)")
+@click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Requests waiting to join the batch before new ones get 503. (openai)")
+@click.option("--default-temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="Temperature of requests that give none (0: greedy, the target's own output). (openai)")
 @click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535),
-              help="Port of the gRPC endpoint.")
+              help="Port of the gRPC endpoint. (triton)")
 @click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535),
-              help="Port of Triton's Prometheus metrics.")
+              help="Port of Triton's Prometheus metrics. (triton)")
 @INSTANCES
 @MAX_BATCH
 @THREADS
 @click.option("--repo", type=click.Path(path_type=Path, file_okay=False),
-              help="Write the model repository here (default: a temporary directory, removed on exit).")
-def command(engine: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, instances: int,
-          max_batch: int | None, threads: int | None, repo: Path | None) -> None:
-    """Serve an engine from a real Triton Inference Server until Ctrl-C.
+              help="Write the model repository here (default: a temporary directory, removed on exit). (triton)")
+@click.pass_context
+def command(ctx: click.Context, engine: Path, frontend: str, host: str, port: int, threads: int | None,
+            **options) -> None:
+    """Serve an engine until Ctrl-C: an OpenAI-compatible API (default) or a Triton server.
 
-    Uses `tritonserver` on PATH when there is one (NVIDIA's container); otherwise the Triton
-    2.51 server bundled with nvidia-pytriton (`pip install 'dlite-trt[triton]'`). Models:
-    `dlite` (batched) and `dlite_stream` (streaming, decoupled)."""
+    OpenAI: GET /v1/models, POST /v1/completions and /v1/chat/completions (streaming), GET /health
+    and /metrics (Prometheus); requests join the running engine batch at step boundaries, and a
+    prompt that starts like an earlier sequence prefills only the rest. Triton: `tritonserver` on
+    PATH, else the one nvidia-pytriton bundles (`pip install 'dlite-trt[triton]'`); models `dlite`
+    (batched) and `dlite_stream` (streaming, decoupled)."""
+    other = TRITON_ONLY if frontend == "openai" else OPENAI_ONLY
+    given = [name for name in other if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise click.UsageError(f"{flags}: not an option of --frontend {frontend}; drop it or pick the other frontend")
     check_engine_dir(engine)
+    from dlite_trt.serve.server import port_free
+
+    if not port_free(host, port):
+        raise click.ClickException(f"{host}:{port} is in use (another server?); pass another --port")
+    _stop_on_signals()
+    if frontend == "openai":
+        _serve_openai(engine, host, port, threads, options)
+    else:
+        _serve_triton(engine, host, port, threads, options)
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and `kill` stop the server cleanly even when it was started with SIGINT ignored or
+    blocked (a background job of a non-interactive shell, or a parent that blocked them)."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _serve_openai(engine: Path, host: str, port: int, threads: int | None, options: dict) -> None:
+    import uvicorn
+
+    from dlite_trt.engine.load import load_engine
+    from dlite_trt.serve.openai_server import OpenAIFrontend, create_app
+    from dlite_trt.serve.scheduler import Scheduler
+
+    loaded = load_engine(engine, threads=threads, preload=("prefill", "step", "decode"))
+    name = options["served_model_name"] or Path(loaded.generator.manifest.target_name).name
+    scheduler = Scheduler(loaded.generator, speculative=options["speculative"],
+                          kv_budget_bytes=int(options["kv_cache_gb"] * 2**30),
+                          prefix_cache=options["prefix_cache"], max_queue=options["max_queue"])
+    app = create_app(OpenAIFrontend(loaded, scheduler, name, options["default_temperature"]))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
+    click.echo(f"serving {engine} as {name!r} (speculative: {options['speculative']}) at http://{host}:{port}/v1\n"
+               f"  curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
+               f"-d '{{\"model\": \"{name}\", \"prompt\": \"def main():\", \"max_tokens\": 32}}'\n"
+               "Ctrl-C stops it.")
+    # uvicorn installs its own SIGINT/SIGTERM handlers while it runs: a graceful shutdown
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    click.echo("stopped")
+
+
+def _serve_triton(engine: Path, host: str, port: int, threads: int | None, options: dict) -> None:
     from dlite_trt.serve.server import TritonServer
     from dlite_trt.serve.triton_repo import write_repository
 
     with tempfile.TemporaryDirectory(prefix="dlite-repo-") as tmp:
-        repo = repo or Path(tmp) / "repo"
-        write_repository(engine, repo, instances=instances, max_batch=max_batch, streaming=True, threads=threads)
-        server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host)
-        # Ctrl-C and `kill` stop it cleanly even when it was started with SIGINT ignored or blocked
-        # (a background job of a non-interactive shell, or a parent that blocked them): both are
-        # handled here explicitly rather than inherited
-        signal.signal(signal.SIGINT, _interrupt)
-        signal.signal(signal.SIGTERM, _interrupt)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        repo = options["repo"] or Path(tmp) / "repo"
+        write_repository(engine, repo, instances=options["instances"], max_batch=options["max_batch"],
+                         streaming=True, threads=threads)
+        server = TritonServer(repo, http_port=port, grpc_port=options["grpc_port"],
+                              metrics_port=options["metrics_port"], host=host)
         try:
             server.start()
             click.echo(f"serving {engine} with {server.binary.describe()} (pid {server.process.pid})\n"

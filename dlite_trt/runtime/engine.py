@@ -21,6 +21,7 @@ import numpy as np
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
 from dlite_trt.export.contract import SAMPLING_SUFFIX, cache_capacity_max
+from dlite_trt.runtime.kv_cache import KVCache
 from dlite_trt.runtime.sampling import is_greedy
 from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent
 from dlite_trt.runtime.stats import StageTimer
@@ -49,7 +50,9 @@ class EngineSession(SessionBase):
     """A live batch on an engine; it owns its KV cache (and the runner's bindings to it), so sessions
     on one engine can interleave, and run on different threads (one thread per session at a time)."""
 
-    def __init__(self, gen: EngineGenerator, prompts: Sequence[Sequence[int]]) -> None:
+    def __init__(self, gen: EngineGenerator, prompts: Sequence[Sequence[int]], cache: KVCache | None = None) -> None:
+        """``cache``: run on these rows of a cache someone else owns and has reserved room in
+        (``KVCache.rows``; a scheduler's batch), instead of a cache of its own."""
         super().__init__(prompts, gen.spec.vocab_size)
         limits = gen.manifest.limits
         if self.batch_size > limits.max_batch:
@@ -57,7 +60,9 @@ class EngineSession(SessionBase):
                               f"--max-batch {limits.max_batch}; split the batch or rebuild with a larger --max-batch.")
         self.gen = gen
         self.runner = gen.runner
-        self.cache = self.runner.new_cache(self.batch_size)
+        if cache is not None and cache.batch != self.batch_size:
+            raise EngineError(f"a cache of {cache.batch} rows for {self.batch_size} sequences")
+        self.cache = self.runner.new_cache(self.batch_size) if cache is None else cache
         self.k = gen.cfg.num_proposals
         self.g = gen.cfg.anchor_group_size
 

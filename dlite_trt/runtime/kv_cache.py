@@ -32,6 +32,7 @@ class KVCache:
         self.v = self._zeros(shape, dtype, device)
         self.bindings: dict[str, object] = {}  # a runner's per-graph state bound to these buffers
         self.engine_seconds = 0.0  # time the runner spent in engine calls on this cache
+        self._row_views: dict[tuple[int, ...], KVRows] = {}
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """A zeroed [L, B, kvH, cap, D] buffer whose layers start ``layer_align`` bytes apart (or more)."""
@@ -78,6 +79,43 @@ class KVCache:
             grown = min(-(-needed // GRANULE) * GRANULE, limit)
             self.ensure_capacity(grown, max_capacity=grown)
 
+    def rows(self, start: int, stop: int) -> KVRows:
+        """Sequences start..stop-1 as a cache of their own (the same buffers, no copy): each layer's
+        slice of consecutive rows is contiguous, so an engine binds it as it binds a whole cache.
+        A scheduler runs a call on the rows that take part in it (``serve.scheduler``)."""
+        if not 0 <= start < stop <= self.batch:
+            raise ValueError(f"rows {start}..{stop - 1} of a cache of {self.batch}")
+        key = (start, stop, self.k.data_ptr(), self.capacity)
+        held = self._row_views.get(key)
+        if held is None:
+            self._row_views = {k: v for k, v in self._row_views.items() if k[2:] == key[2:]}  # grown: old views go
+            held = self._row_views[key] = KVRows(self, start, stop)
+        return held
+
+    def copy_row(self, dst: int, src: int, length: int) -> None:
+        """Sequence src's first ``length`` entries into sequence dst's slots (moving a row)."""
+        for buf in (self.k, self.v):
+            _copy(buf[:, dst, :, :length], buf[:, src, :, :length])
+
+    def load_row(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Entries [L, kvH, n, D] (kept from an earlier sequence) into sequence ``row``'s first n slots."""
+        n = k.shape[2]
+        _copy(self.k[:, row, :, :n], k)
+        _copy(self.v[:, row, :, :n], v)
+
+    def save_row(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of sequence ``row``'s first ``length`` entries, [L, kvH, length, D] each."""
+        out = []
+        for buf in (self.k, self.v):
+            kept = torch.empty(buf[:, row, :, :length].shape, dtype=buf.dtype, device=buf.device)
+            _copy(kept, buf[:, row, :, :length])
+            out.append(kept)
+        return out[0], out[1]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
     def view(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` slots of every sequence, [L, B, kvH, length, D], without copying."""
         return self.k[:, :, :, :length], self.v[:, :, :, :length]
@@ -113,3 +151,23 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.numpy()[...] = src.numpy()
     else:
         dst.copy_(src)
+
+
+class KVRows(KVCache):
+    """Rows start..stop-1 of a ``KVCache``, sharing its buffers (``KVCache.rows``). It cannot grow:
+    the owner reserves room for every row first; ``reserve`` only checks."""
+
+    def __init__(self, owner: KVCache, start: int, stop: int) -> None:  # noqa: D107 - no buffers of its own
+        self.layer_align = owner.layer_align
+        self.k, self.v = owner.k[:, start:stop], owner.v[:, start:stop]
+        self.bindings = {}
+        self.engine_seconds = 0.0
+        self._row_views = {}
+
+    def reserve(self, needed: int, limit: int) -> None:
+        if needed > self.capacity:
+            raise ValueError(f"{needed} KV slots needed, but these rows' cache holds {self.capacity}: reserve on "
+                             "the whole cache first")
+
+    def ensure_capacity(self, needed: int, max_capacity: int | None = None) -> None:
+        self.reserve(needed, needed)

@@ -44,6 +44,19 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
+def cut_emission(new: Sequence[int], emitted: int, params: SamplingParams) -> tuple[list[int], str | None]:
+    """What an output that has ``emitted`` tokens keeps of a call's ``new`` tokens, and why it
+    ends there: "stop_token", "max_new_tokens", or None (it goes on)."""
+    kept: list[int] = []
+    for tok in new:
+        kept.append(int(tok))
+        if kept[-1] in params.stop_token_ids:
+            return kept, "stop_token"
+        if emitted + len(kept) >= params.max_new_tokens:
+            return kept, "max_new_tokens"
+    return kept, None
+
+
 @dataclass(frozen=True)
 class StepEvent:
     """Tokens emitted by one engine call (the prefill, or one speculative step) per sequence."""
@@ -258,16 +271,10 @@ class SessionBase:
 
     def _emit(self, row: int, new: list[int], params: SamplingParams) -> tuple[int, ...]:
         """Append accepted tokens to a sequence, cut at a stop token or max_new_tokens."""
-        kept = []
-        for tok in new:
-            kept.append(tok)
-            self._emitted[row] += 1
-            if tok in params.stop_token_ids:
-                self._active[row], self._stop_reasons[row] = False, "stop_token"
-                break
-            if self._emitted[row] >= params.max_new_tokens:
-                self._active[row] = False
-                break
+        kept, reason = cut_emission(new, self._emitted[row], params)
+        self._emitted[row] += len(kept)
+        if reason is not None:
+            self._active[row], self._stop_reasons[row] = False, reason
         self.tokens[row].extend(kept)
         # Cached entries past the kept tokens (accepted after a cut) are invalid; the last
         # token always stays uncached so the next generate has a suffix to start from.

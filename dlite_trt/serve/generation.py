@@ -160,16 +160,7 @@ class RequestRunner:
         return ids
 
     def _cut_text(self, request: Request, ids: list[int]) -> tuple[list[int], str]:
-        """Where a stop string first completes: the fewest tokens that complete it, the text before it."""
-        text = self.decode(ids)
-        if not any(s in text for s in request.stop):
-            return ids, text
-        for k in range(1, len(ids) + 1):
-            prefix = self.decode(ids[:k])
-            starts = [prefix.find(s) for s in request.stop if s in prefix]
-            if starts:
-                return ids[:k], prefix[: min(starts)]
-        raise AssertionError("unreachable: the whole text contains a stop string")
+        return cut_at_stop(self.decode, ids, request.stop)
 
     # -- streaming -------------------------------------------------------------------------------
     def stream(self, request: Request) -> Iterator[tuple[str, list[int], Reply]]:
@@ -186,30 +177,66 @@ class RequestRunner:
             yield from self._pieces(request, events)
 
     def _pieces(self, request: Request, events: Iterator[Any]) -> Iterator[tuple[str, list[int], Reply]]:
-        reply, sent = Reply([], ""), 0
+        text = ReplyText(self.decode, request.stop)
         for event in events:
             record = event.record
-            if record is not None and record.kept[0] is not None:
-                reply.steps.append((record.kept[0], record.accepted[0], len(record.draft_tokens[0])))
-            reply.output_ids += event.new_tokens[0]
-            full = self.decode(reply.output_ids)
-            if any(s in full for s in request.stop):  # a stop string completed in this step: end here
-                reply.output_ids, text = self._cut_text(request, reply.output_ids)
-                yield _advance(reply, text), reply.output_ids[sent:], reply
+            steps = () if record is None or record.kept[0] is None else \
+                ((record.kept[0], record.accepted[0], len(record.draft_tokens[0])),)
+            yield text.add(event.new_tokens[0], steps)
+            if text.done:
                 return
-            yield _advance(reply, self._settled(full, request.stop)), reply.output_ids[sent:], reply
-            sent = len(reply.output_ids)
-        final = self.decode(reply.output_ids)
-        if final != reply.text:  # what was held back: the output ended there
-            yield _advance(reply, final), [], reply
+        tail = text.finish()
+        if tail is not None:
+            yield tail
 
-    @staticmethod
-    def _settled(text: str, stops: Sequence[str]) -> str:
-        """The part of ``text`` that later tokens cannot change or cut: without a trailing split
-        character and without a tail that could begin a stop string."""
-        text = text.rstrip("\ufffd")
-        hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return text[: len(text) - hold]
+
+class ReplyText:
+    """A reply assembled call by call: its ids, its text cut at the first stop string, and the text
+    safe to send so far (held back: a tail that could begin a stop string or half a character), so
+    the streamed pieces always add up to the final text."""
+
+    def __init__(self, decode: Any, stops: Sequence[str]) -> None:
+        self.decode, self.stops = decode, tuple(stops)
+        self.reply = Reply([], "")
+        self.done = False  # a stop string completed: the reply ends here
+
+    def add(self, new_ids: Sequence[int], steps: Sequence[tuple[int, int, int]] = ()) -> tuple[str, list[int], Reply]:
+        """One call's tokens (and its step statistics): (new text, new ids, the reply so far)."""
+        reply, sent = self.reply, len(self.reply.output_ids)
+        reply.steps.extend(steps)
+        reply.output_ids += [int(t) for t in new_ids]
+        full = self.decode(reply.output_ids)
+        if any(s in full for s in self.stops):  # a stop string completed in this call: end here
+            reply.output_ids, text = cut_at_stop(self.decode, reply.output_ids, self.stops)
+            self.done = True
+            return _advance(reply, text), reply.output_ids[sent:], reply
+        return _advance(reply, _settled(full, self.stops)), reply.output_ids[sent:], reply
+
+    def finish(self) -> tuple[str, list[int], Reply] | None:
+        """What was held back, once the output has ended (None: nothing was)."""
+        final = self.decode(self.reply.output_ids)
+        return None if final == self.reply.text else (_advance(self.reply, final), [], self.reply)
+
+
+def cut_at_stop(decode: Any, ids: list[int], stops: Sequence[str]) -> tuple[list[int], str]:
+    """Where a stop string first completes: the fewest tokens that complete it, the text before it."""
+    text = decode(ids)
+    if not any(s in text for s in stops):
+        return ids, text
+    for k in range(1, len(ids) + 1):
+        prefix = decode(ids[:k])
+        starts = [prefix.find(s) for s in stops if s in prefix]
+        if starts:
+            return ids[:k], prefix[: min(starts)]
+    raise AssertionError("unreachable: the whole text contains a stop string")
+
+
+def _settled(text: str, stops: Sequence[str]) -> str:
+    """The part of ``text`` that later tokens cannot change or cut: without a trailing split
+    character and without a tail that could begin a stop string."""
+    text = text.rstrip("\ufffd")
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold]
 
 
 def _attempt(run: Any, *args: Any) -> Any:

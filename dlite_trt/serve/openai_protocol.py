@@ -1,0 +1,186 @@
+"""The OpenAI API's request bodies and error shape, as this server takes them, declared once.
+
+Requests are validated by these models: a field of the wrong type, an out-of-range value or a
+field OpenAI's API does not have is a 400 in OpenAI's error shape naming the field. Fields
+OpenAI has but this server does not implement are taken at their no-op values (``n`` = 1,
+penalties 0, ``top_p`` 1, no logprobs, no tools) and refused otherwise, with what to do instead.
+
+Departures from OpenAI's defaults, on purpose: ``temperature`` defaults to the server's
+--default-temperature (0, greedy: the target's own output, which is what this server is
+for); ``max_tokens`` defaults to what the engine's --max-seq-len leaves after the prompt.
+Extensions (vLLM's names): ``ignore_eos``, ``stop_token_ids`` (more end tokens), ``return_token_ids`` (the prompt's and the output's
+token ids in the response). Every response carries ``speculative``: mean acceptance length,
+draft tokens accepted and proposed, steps.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dlite_trt.errors import DLiteError
+
+NonNegative = Annotated[int, Field(ge=0, strict=True)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: NonNegative | None = None
+    temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(strict=True, ge=-(2**63), lt=2**64)] | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)  # -> list[str]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(strict=True, ge=1)] = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] = []
+    return_token_ids: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str]:
+        stops = [] if value is None else [value] if isinstance(value, str) else value
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(param, message) for each OpenAI feature asked for that this server does not implement."""
+        out = []
+        if self.n != 1:
+            out.append(("n", f"n = {self.n}: this server returns one choice per request; send n requests."))
+        if self.top_p is not None and self.top_p != 1.0:
+            out.append(("top_p", f"top_p = {self.top_p} is not supported (the engine samples the full "
+                                 "distribution); leave top_p out or set it to 1, and use temperature."))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                out.append((name, f"{name} is not supported; leave it out or set it to 0."))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported; leave it out."))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "stream_options is only allowed with stream: true."))
+        return out
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[Annotated[int, Field(strict=True)]] | list[str]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Field(strict=True, ge=1)] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            out.append(("prompt", f"{len(self.prompt)} prompts in one request: send one prompt per request."))
+        if self.echo:
+            out.append(("echo", "echo is not supported; the response holds the completion only."))
+        if self.logprobs is not None:
+            out.append(("logprobs", "logprobs are not supported; use return_token_ids for the output's ids."))
+        if self.suffix is not None:
+            out.append(("suffix", "suffix (insertion) is not supported."))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", "best_of is not supported; leave it out."))
+        return out
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: NonNegative | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            out.append(("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one."))
+        if self.logprobs or self.top_logprobs:
+            out.append(("logprobs", "logprobs are not supported; use return_token_ids for the output's ids."))
+        if self.tools:
+            out.append(("tools", "tool definitions are not supported by this server (the chat template is applied "
+                                 "to the messages alone); describe the tools in a system message instead."))
+        if self.tool_choice not in (None, "none", "auto"):
+            out.append(("tool_choice", "tool_choice is not supported; leave it out."))
+        if self.response_format not in (None, {"type": "text"}):
+            out.append(("response_format", "response_format other than text is not supported."))
+        return out
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ApiError(DLiteError):
+    """An error answered with ``status`` and OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), kind=self.kind, param=self.param, code=self.code)
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A pydantic/FastAPI validation error list as one message naming the fields, and the first field."""
+    parts, first = [], None
+    for err in errors:
+        if err.get("type") == "json_invalid":  # its loc is ("body", character offset)
+            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', err.get('msg'))})")
+            continue
+        field = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
+        first = first or field
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"{field}: unknown field (not an OpenAI API parameter this endpoint takes)")
+        elif err.get("type") == "missing":
+            parts.append(f"{field}: required")
+        else:
+            parts.append(f"{field}: {err.get('msg')}" if field else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", first
