@@ -8,6 +8,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
 
 
+def pytest_configure(config) -> None:
+    """Two pytest-xdist workers share the machine's cores: each runs torch on one thread."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny target directory (with a BPE tokenizer trained on stdlib sources) and a random draft."""

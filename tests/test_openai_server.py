@@ -243,12 +243,17 @@ def test_seeded_sampling_is_reproducible_with_reuse_and_in_a_mixed_batch(server,
     first, _ = sampled()
     again, cached = sampled()
     assert first == alone and again == alone and cached > 0
-    jobs = [(code[34 + i][:30], 30) for i in range(3)]
+    jobs = [(code[34 + i][:30], 60) for i in range(3)]
+    before = server.metrics()
     with ThreadPoolExecutor(4) as pool:
+        greedy_runs = [pool.submit(_complete, server, *job) for job in jobs]
+        time.sleep(0.2)  # they are mid-generation when the sampled one joins
         mixed = pool.submit(sampled)
-        greedy_out = list(pool.map(lambda job: _complete(server, *job)[0], jobs))
+        greedy_out = [f.result()[0] for f in greedy_runs]
     assert mixed.result()[0] == alone
     assert greedy_out == [greedy(p, n) for p, n in jobs]
+    joined = server.metrics()["dlite_requests_joined_running_batch_total"]
+    assert joined > before["dlite_requests_joined_running_batch_total"]  # it did share a running batch
 
 
 BAD = [  # (body or raw text, status, fragment of the message, param)
@@ -282,6 +287,23 @@ def test_malformed_requests_get_openai_errors_and_the_server_goes_on(server, ora
     assert _complete(server, [9, 8, 7], 6)[0] == greedy([9, 8, 7], 6)
 
 
+def test_fields_clients_echo_back_are_taken(server, oracle):
+    """What agent frameworks send with the history (an assistant message's null tool_calls and
+    refusal, metadata, store): taken and ignored, the answer unchanged."""
+    greedy, tok = oracle
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello.", "tool_calls": None, "refusal": None},
+                {"role": "user", "content": [{"type": "text", "text": "Write a loop."}]}]
+    status, r = server.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 12,
+                                                     "temperature": 0, "metadata": {"run": "1"}, "store": False,
+                                                     "ignore_eos": True, "return_token_ids": True})
+    assert status == 200, r
+    plain = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else "Write a loop."}
+             for m in messages]
+    prompt = tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert r["choices"][0]["token_ids"] == greedy(list(prompt), 12)
+
+
 def test_chat_errors(server):
     for body, fragment, param in [
             ({"model": MODEL, "messages": []}, "at least 1 item", "messages"),
@@ -289,7 +311,10 @@ def test_chat_errors(server):
             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
              "tool definitions are not supported", "tools"),
             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
-             "greater than or equal to 0", "max_completion_tokens")]:
+             "greater than or equal to 0", "max_completion_tokens"),
+            ({"model": MODEL, "messages": [{"role": "assistant", "content": None,
+                                            "tool_calls": [{"id": "1", "type": "function"}]}]},
+             "tool calls", "messages.0")]:
         status, reply = server.post("/v1/chat/completions", body)
         assert status == 400 and fragment in reply["error"]["message"] and reply["error"]["param"] == param, reply
     status, reply = server.post("/v1/nothing", {})
@@ -311,27 +336,41 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(server, oracle, code
         conn.sock.shutdown(2)
         conn.close()
         assert list(others) == [greedy(code[39][:20], 30), greedy(code[37][:20], 30)]
+    cancelled = 'dlite_requests_total{finish_reason="cancelled"}'
     deadline = time.monotonic() + 30
-    while (after := server.metrics())['dlite_requests_total{finish_reason="cancelled"}'] == \
-            before.get('dlite_requests_total{finish_reason="cancelled"}', 0) and time.monotonic() < deadline:
+    while ((after := server.metrics()).get(cancelled, 0) == before.get(cancelled, 0)
+           or after["dlite_running_batch_size"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert after['dlite_requests_total{finish_reason="cancelled"}'] == \
-        before.get('dlite_requests_total{finish_reason="cancelled"}', 0) + 1
+    assert after.get(cancelled, 0) == before.get(cancelled, 0) + 1
     made = after["dlite_generation_tokens_total"] - before["dlite_generation_tokens_total"]
     assert made < 900  # it stopped well short of max_tokens
     assert after["dlite_running_batch_size"] == 0
 
 
-def test_a_request_that_fails_in_the_engine_fails_alone(server, oracle, code):
+def test_a_request_that_fails_in_the_engine_fails_alone(server, engine, oracle, code):
+    """The test-only fault hook fails the engine call of every step that holds FAULT_PROMPT (after the
+    step's random draws). It joins a batch of a greedy and a seeded sampled request: the batched
+    call fails and is retried one row at a time with the same draws, so only it gets an error
+    (500) and the others get exactly what they get alone."""
+    from dlite_trt.runtime.engine import open_engine
+    from dlite_trt.runtime.session import SamplingParams
+
     greedy, _ = oracle
-    jobs = [(code[20][:30], 60), (code[21][:30], 40)]
+    greedy_job, sampled_prompt = (code[20][:30], 80), code[21][:30]
+    alone = list(open_engine(engine, threads=1).session([sampled_prompt]).generate(
+        SamplingParams(max_new_tokens=60, temperature=0.8, seed=11)).output_ids[0])
+    before = server.metrics()
     with ThreadPoolExecutor(3) as pool:
-        good = [pool.submit(_complete, server, *job) for job in jobs]
-        time.sleep(0.3)  # they are running when the failing one joins their batch
+        good = pool.submit(_complete, server, *greedy_job)
+        sampled = pool.submit(lambda: server.client.completions.create(
+            model=MODEL, prompt=sampled_prompt, max_tokens=60, temperature=0.8, seed=11,
+            extra_body={"return_token_ids": True, "ignore_eos": True}).model_dump()["choices"][0]["token_ids"])
+        time.sleep(0.2)  # they are running when the failing one joins their batch
         status, reply = server.post("/v1/completions", {"model": MODEL, "prompt": FAULT_PROMPT, "max_tokens": 8})
-        assert [f.result()[0] for f in good] == [greedy(*job) for job in jobs]
+        assert good.result()[0] == greedy(*greedy_job) and sampled.result() == alone
     assert status == 500 and "injected test fault" in reply["error"]["message"]
     assert reply["error"]["type"] == "server_error"
+    assert server.metrics()["dlite_engine_call_retries_total"] > before["dlite_engine_call_retries_total"]
 
 
 def test_metrics_names(server):
@@ -348,7 +387,7 @@ def test_metrics_names(server):
 
 @hypothesis.settings(max_examples=60, deadline=None, derandomize=True,
                      suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
-@hypothesis.given(body=hypothesis.strategies.fixed_dictionaries({}, optional={
+@hypothesis.given(fields=hypothesis.strategies.fixed_dictionaries({}, optional={
     "model": hypothesis.strategies.sampled_from([MODEL, "other", "", 3]),
     "prompt": hypothesis.strategies.one_of(hypothesis.strategies.text(max_size=20),
                                            hypothesis.strategies.lists(hypothesis.strategies.integers(-3, 600),
@@ -368,11 +407,14 @@ def test_metrics_names(server):
                                                                      max_size=3)),
     "stream": hypothesis.strategies.booleans(),
     "n": hypothesis.strategies.integers(-1, 3),
-    "extra": hypothesis.strategies.dictionaries(hypothesis.strategies.text(max_size=4),
-                                                hypothesis.strategies.integers(), max_size=2),
-}), path=hypothesis.strategies.sampled_from(["/v1/completions", "/v1/chat/completions"]))
-def test_fuzzed_request_bodies_never_get_a_5xx(server, body, path):
-    """Bodies built from valid and invalid values of every field: never a 5xx, never a hang."""
+    "return_token_ids": hypothesis.strategies.booleans(),
+}), unknown=hypothesis.strategies.dictionaries(hypothesis.strategies.text(max_size=4),
+                                               hypothesis.strategies.integers(), max_size=1),
+   path=hypothesis.strategies.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_fuzzed_request_bodies_never_get_a_5xx(server, fields, unknown, path):
+    """Bodies built from valid and invalid values of every field (now and then an unknown one):
+    never a 5xx, never a hang."""
+    body = {**unknown, **fields}
     req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:

@@ -199,6 +199,16 @@ def test_grpc_streaming_sends_the_same_tokens_in_order(server, oracle, proposals
     _check_statistics(stats, ids, len(pieces) - 1, proposals)
 
 
+def test_concurrent_streams_share_the_in_flight_batch(server, oracle):
+    """dlite_stream runs on the in-flight scheduler: streams sent together (different lengths, so
+    they join and leave at different steps) are each exactly target-only greedy."""
+    greedy, _ = oracle
+    jobs = [(_prompt(60 + i, 6 + 2 * i), 10 + 6 * i) for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda job: [t for p in _grpc_stream(server, *job)[0] for t in p], jobs))
+    assert got == [greedy(*job) for job in jobs]
+
+
 def test_stops_inside_a_multi_token_step(server, oracle, proposals):
     """A stop token and a stop string at the first token of a step that accepted >= 2 drafts
     (found from a first stream's responses, one per step): over HTTP (the batched path) and a

@@ -212,6 +212,19 @@ class ReplyText:
             return _advance(reply, text), reply.output_ids[sent:], reply
         return _advance(reply, _settled(full, self.stops)), reply.output_ids[sent:], reply
 
+    def take(self, tokens: Sequence[int], step: tuple[int, int, int] | None, ended: bool) -> list[tuple[str, list[int]]]:
+        """What one engine call's update (``serve.scheduler.Update``: its tokens, its step, whether the
+        output ended there) adds: (text, ids) pieces, the held-back text last when it ended."""
+        out = []
+        if tokens or step:
+            delta, ids, _ = self.add(tokens, [step] if step else [])
+            out.append((delta, ids))
+        if ended and not self.done:
+            tail = self.finish()
+            if tail is not None:
+                out.append((tail[0], []))
+        return out
+
     def finish(self) -> tuple[str, list[int], Reply] | None:
         """What was held back, once the output has ended (None: nothing was)."""
         final = self.decode(self.reply.output_ids)

@@ -33,6 +33,8 @@ class ServerMetrics:
         self.joined_running = Counter("dlite_requests_joined_running_batch",
                                       "Requests that joined while other rows were mid-generation (in-flight)",
                                       registry=r)
+        self.retries = Counter("dlite_engine_call_retries", "Batched engine calls that raised and were retried one "
+                               "row at a time (only a row that fails alone gets the error)", registry=r)
         self.engine_calls = Counter("dlite_engine_calls", "Engine calls, by graph", ["graph"], registry=r)
         self.steps = Counter("dlite_speculative_steps", "Speculative steps (one per sequence per step call)",
                              registry=r)

@@ -47,6 +47,10 @@ class _Sampling(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # OpenAI fields with nothing to do here: taken and ignored
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] = []
     return_token_ids: bool = False
@@ -111,6 +115,11 @@ class Message(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    # what clients echo back in an assistant message: taken when empty (null, []), refused otherwise
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -126,7 +135,12 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None  # for reasoning models; ignored
+    prediction: dict[str, Any] | None = None  # a hint of the output; ignored (it never changes the output)
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -135,9 +149,18 @@ class ChatCompletionRequest(_Sampling):
             out.append(("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one."))
         if self.logprobs or self.top_logprobs:
             out.append(("logprobs", "logprobs are not supported; use return_token_ids for the output's ids."))
-        if self.tools:
-            out.append(("tools", "tool definitions are not supported by this server (the chat template is applied "
-                                 "to the messages alone); describe the tools in a system message instead."))
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                out.append((name, "tool definitions are not supported by this server (the chat template is applied "
+                                  "to the messages alone); describe the tools in a system message instead."))
+        if self.function_call not in (None, "none", "auto"):
+            out.append(("function_call", "function_call is not supported; leave it out."))
+        if self.modalities not in (None, ["text"]):
+            out.append(("modalities", "only text output is supported."))
+        for i, m in enumerate(self.messages):
+            if m.tool_calls or m.function_call or m.audio:
+                out.append((f"messages.{i}", "messages with tool calls, function calls or audio are not supported; "
+                                             "send their content as text."))
         if self.tool_choice not in (None, "none", "auto"):
             out.append(("tool_choice", "tool_choice is not supported; leave it out."))
         if self.response_format not in (None, {"type": "text"}):

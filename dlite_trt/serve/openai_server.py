@@ -33,7 +33,7 @@ from dlite_trt.serve.openai_protocol import (
     error_body,
     validation_message,
 )
-from dlite_trt.serve.scheduler import QueueFull, Scheduler, Update
+from dlite_trt.serve.scheduler import QueueFull, Scheduler
 
 FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length"}
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
@@ -118,19 +118,6 @@ class OpenAIFrontend:
         return handle, updates
 
 
-def _pieces(text: ReplyText, update: Update) -> list[tuple[str, list[int]]]:
-    """The text and ids one update adds (held-back text at the end)."""
-    out = []
-    if update.tokens or update.step:
-        delta, ids, _ = text.add(update.tokens, [update.step] if update.step else [])
-        out.append((delta, ids))
-    if (update.finish_reason or text.done) and not text.done:
-        tail = text.finish()
-        if tail is not None:
-            out.append((tail[0], []))
-    return out
-
-
 def _speculative(reply: Reply) -> dict[str, Any]:
     return {"mean_acceptance_length": round(reply.mean_acceptance_length, 4),
             "accepted_draft_tokens": reply.accepted, "proposed_draft_tokens": reply.proposed,
@@ -161,7 +148,9 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # the openai client retries 5xx twice by default: an engine failure would run three times
+        headers = {"x-should-retry": "false"} if exc.status == 500 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's shape, and logged
@@ -262,10 +251,10 @@ async def _events(run: _Run, request: Request | None) -> AsyncIterator[tuple[tup
         if update.error is not None:
             run.handle.cancel()
             raise ApiError(500, f"the engine failed on this request: {update.error}", code="engine_error")
-        for piece in _pieces(run.text, update):
+        for piece in run.text.take(update.tokens, update.step, update.finish_reason is not None):
             yield piece, None
         if run.text.done:
-            run.handle.cancel()  # a stop string ended it: its row leaves at the next step
+            run.handle.cancel("stop_string")  # a stop string ended it: its row leaves at the next step
             yield ("", []), "stop_string"
             return
         if update.finish_reason:

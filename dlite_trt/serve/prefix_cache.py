@@ -92,12 +92,12 @@ class PrefixCache:
         cannot fit is not kept. Kept sequences it extends are dropped. Returns whether it was kept."""
         if not self.enabled or len(tokens) == 0:
             return False
+        if nbytes + live_bytes > self.budget_bytes:
+            return False  # the kept sequences it would supersede stay
         ids = np.asarray(tokens, np.int64)
         for key in [key for key, e in self._kept.items()
                     if len(e.tokens) <= len(ids) and np.array_equal(e.tokens, ids[: len(e.tokens)])]:
             self._bytes -= self._kept.pop(key).nbytes  # superseded, not evicted: the new one serves its lookups
-        if nbytes + live_bytes > self.budget_bytes:
-            return False
         self.fit(live_bytes + nbytes)
         k, v = save()
         self._kept[self._next_id] = kept = Kept(ids, k, v)

@@ -66,9 +66,11 @@ class Handle:
     prompt_tokens: int
     cached_tokens: int = 0  # set when it joins the batch, before its first update
     cancelled: bool = False
+    reason: str = "cancelled"  # what /metrics counts it as: "cancelled" (client gone) or "stop_string"
 
-    def cancel(self) -> None:
-        self.cancelled = True
+    def cancel(self, reason: str = "cancelled") -> None:
+        if not self.cancelled:
+            self.reason, self.cancelled = reason, True
 
 
 @dataclass
@@ -128,8 +130,7 @@ class Scheduler:
         spec = self.spec
         self.bytes_per_entry = 2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim * \
             torch.empty((), dtype=_cache_dtype(self.counter)).element_size()  # one token's K and V, all layers
-        self.bytes_per_slot = self.bytes_per_entry * self.limits.max_batch  # a slot of every row of the live cache
-        self._live = self.counter.new_cache(self.limits.max_batch)
+        self._live = self.counter.new_cache(1)  # rows and slots grow as requests join (_reserve)
         self._rows: list[_Row] = []
         self._waiting: deque[_Row] = deque()
         self._cv = threading.Condition()
@@ -163,11 +164,11 @@ class Scheduler:
             raise DLiteError(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_new_tokens}) is {longest} "
                              f"tokens, past the engine's --max-seq-len {self.limits.max_seq_len}; shorten the prompt "
                              "or lower max_tokens (or rebuild the engine with a larger --max-seq-len).")
-        need = self._live_bytes_for(longest)
+        need = self._live_bytes_for(longest, 1)
         if need > self.prefix.budget_bytes:
-            raise DLiteError(f"this request needs {need / 2**30:.2f} GiB of KV cache ({self.limits.max_batch} rows x "
-                             f"{longest} positions), more than --kv-cache-gb {self.prefix.budget_bytes / 2**30:.2f}; "
-                             "raise --kv-cache-gb or shorten the request.")
+            raise DLiteError(f"this request needs {need / 2**30:.2f} GiB of KV cache ({longest} positions), more than "
+                             f"--kv-cache-gb {self.prefix.budget_bytes / 2**30:.2f}; raise --kv-cache-gb or shorten "
+                             "the request (max_tokens counts).")
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, deliver: Callable[[Update], None]) -> Handle:
         """Queue a request; ``deliver`` gets its updates on the scheduler's thread."""
@@ -177,6 +178,8 @@ class Scheduler:
             deliver(Update((), finish_reason="max_new_tokens"))
             return handle
         with self._cv:
+            if self._stopping:
+                raise QueueFull("the server is shutting down; retry on another server.")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the server has {len(self._waiting)} requests waiting (--max-queue "
                                 f"{self.max_queue}); retry later or add servers.")
@@ -189,7 +192,8 @@ class Scheduler:
         s = self.prefix.stats
         return {"queries": s.queries, "hits": s.hits, "reused_tokens": s.reused_tokens, "evictions": s.evictions,
                 "kv_cache_bytes": self.prefix.kept_bytes + self._live.nbytes,
-                "kv_cache_budget_bytes": self.prefix.budget_bytes, "kv_cache_peak_bytes": self.prefix.peak_bytes, "prefix_cache_sequences": len(self.prefix)}
+                "kv_cache_budget_bytes": self.prefix.budget_bytes, "kv_cache_peak_bytes": self.prefix.peak_bytes,
+                "prefix_cache_sequences": len(self.prefix)}
 
     # -- the loop --------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -205,14 +209,14 @@ class Scheduler:
                 for row in self._rows:
                     row.deliver(Update((), error=exc))
                 self._rows = []
-                self._live = self.counter.new_cache(self.limits.max_batch)
+                self._live = self.counter.new_cache(1)
         for row in [*self._rows, *self._waiting]:
             row.deliver(Update((), error=DLiteError("the server is shutting down.")))
 
     def _iteration(self) -> None:
         for i in reversed(range(len(self._rows))):
-            if self._rows[i].handle.cancelled:
-                self._leave(i, "cancelled")
+            if self._rows[i].handle.cancelled and "finish" not in self._rows[i].state:
+                self._leave(i, self._rows[i].handle.reason)
         joined = self._admit()
         if joined:
             self._run(joined, len(self._rows) - len(joined), self.calls.prefill)
@@ -221,7 +225,7 @@ class Scheduler:
             self._run(list(self._rows), 0, self.calls.step)
             self._leave_finished()
         if not self._rows:  # idle: the live cache goes back to nothing
-            self._live = self.counter.new_cache(self.limits.max_batch)
+            self._live = self.counter.new_cache(1)
         self.prefix.fit(self._live.nbytes)
         self.metrics.running.set(len(self._rows))
 
@@ -230,10 +234,11 @@ class Scheduler:
             if "finish" in self._rows[i].state:
                 self._leave(i, self._rows[i].state["finish"])
 
-    def _live_bytes_for(self, longest: int) -> int:
+    def _live_bytes_for(self, longest: int, rows: int) -> int:
+        """Bytes of a live cache of ``rows`` rows whose longest sequence reaches ``longest`` tokens."""
         slots = min(-(-(longest + self.cfg.block_size) // GRANULE) * GRANULE,
                     cache_capacity_max(self.limits, self.cfg.block_size))
-        return slots * self.bytes_per_slot
+        return slots * rows * self.bytes_per_entry
 
     def _admit(self) -> list[_Row]:
         """Move waiting requests into free slots while the live cache fits the budget."""
@@ -245,8 +250,9 @@ class Scheduler:
                     self._waiting.popleft()
                     continue
                 longest = max(len(r.prompt) + r.params.max_new_tokens for r in [*self._rows, row])
-                if self._rows and self._live_bytes_for(longest) > self.prefix.budget_bytes:
-                    break  # it waits for running rows to finish
+                if self._rows and self._live_bytes_for(longest, self._rows_for(len(self._rows) + 1)) > \
+                        self.prefix.budget_bytes:
+                    break  # it waits for running rows to finish (kept sequences are evicted first)
                 self._waiting.popleft()
                 self._rows.append(row)
                 joined.append(row)
@@ -264,17 +270,33 @@ class Scheduler:
             row.cache_len = row.handle.cached_tokens = n
         return joined
 
+    def _rows_for(self, n: int) -> int:
+        """Rows of the live cache that holds ``n`` sequences: it grows in powers of two (never shrinks
+        while busy) up to --max-batch."""
+        return max(self._live.batch, min(self.limits.max_batch, 1 << (n - 1).bit_length()))
+
     def _reserve(self) -> None:
+        """Room in the live cache for every row to its end: rows and slots grow (what is cached is kept)."""
         longest = max(len(r.prompt) + r.params.max_new_tokens for r in self._rows)
-        self.prefix.fit(max(self._live.nbytes, self._live_bytes_for(longest)))  # room first, then grow
-        self._live.reserve(min(longest + self.cfg.block_size, cache_capacity_max(self.limits, self.cfg.block_size)),
-                           cache_capacity_max(self.limits, self.cfg.block_size))
+        limit = cache_capacity_max(self.limits, self.cfg.block_size)
+        rows = self._rows_for(len(self._rows))
+        self.prefix.fit(max(self._live.nbytes, self._live_bytes_for(longest, rows)))  # room first, then grow
+        if rows > self._live.batch:
+            grown = self.counter.new_cache(rows)
+            grown.reserve(max(self._live.capacity, min(longest + self.cfg.block_size, limit)), limit)
+            for slot, row in enumerate(self._rows[: self._live.batch]):
+                if row.cache_len:
+                    grown.load_row(slot, self._live.k[:, slot, :, : row.cache_len],
+                                   self._live.v[:, slot, :, : row.cache_len])
+            self._live = grown
+        self._live.reserve(min(longest + self.cfg.block_size, limit), limit)
 
     def _run(self, rows: list[_Row], start: int, call: Callable[[list[_Row], KVCache], list[_Result]]) -> None:
         """``call`` on rows in slots start.., each row then advanced; on an error, each row alone."""
         try:
             results = self._guarded(rows, start, call)
         except Exception:  # noqa: BLE001 - which row failed it? running each alone tells
+            self.metrics.retries.inc()
             for row in rows:
                 slot = self._rows.index(row)
                 try:
@@ -287,8 +309,9 @@ class Scheduler:
             self._apply(row, result)
 
     def _guarded(self, rows: list[_Row], start: int, call) -> list[_Result]:
-        if self.fault_prompt is not None and any(r.prompt == self.fault_prompt for r in rows):
-            raise RuntimeError(f"injected test fault: prompt {list(self.fault_prompt)} ({FAULT_PROMPT_ENV})")
+        # the test-only fault: the engine call of a step holding that row raises, after the draws
+        self.counter.fail_next = call == self.calls.step and self.fault_prompt is not None and \
+            any(r.prompt == self.fault_prompt for r in rows)
         return call(rows, self._live.rows(start, start + len(rows)))
 
     def _apply(self, row: _Row, result: _Result) -> None:
@@ -346,6 +369,7 @@ class _DLiteCalls:
         if sampling:
             feeds |= _stacked(rows, ("u_anchor", "u_draft")) | {"temperature": _temperatures(rows)}
         out = session._prefill("prefill" + SAMPLING_SUFFIX * sampling, feeds)
+        out = _outputs(out)
         results, logits = [], _host(out.get("next_draft_logits"))
         for i, row in enumerate(rows):
             state = {"block": out["next_block"][i], "logits": None if logits is None else logits[i]}
@@ -372,6 +396,7 @@ class _DLiteCalls:
                                           else np.zeros((self.k, vocab), np.float32) for r in rows])}
         view.reserve(int(past_len.max()) + self.k + 1, view.capacity)
         out = self.sched.counter.infer("step" + SAMPLING_SUFFIX * sampling, feeds, view)
+        out = _outputs(out)
         n = out["accepted"].tolist()
         view.write(out["new_key"], out["new_value"], past_len.tolist(), [a + 1 for a in n])
         results, logits = [], _host(out.get("next_draft_logits"))
@@ -401,6 +426,7 @@ class _DecodeCalls:
         session = EngineSession(self.sched.generator, [r.tokens for r in rows], cache=view)
         session.cache_len = [r.cache_len for r in rows]
         out = session._prefill("decode", {"temperature": _temperatures(rows), **_stacked(rows, ("uniforms",))})
+        out = _outputs(out)
         results = []
         for i, row in enumerate(rows):
             state = {"ngram": NgramIndex(self.lookup)} if self.lookup else {}
@@ -425,6 +451,7 @@ class _DecodeCalls:
         out = self.sched.counter.infer("decode", {
             "input_ids": ids, "past_len": past_len, "temperature": _temperatures(rows), "uniforms": uniforms,
             "output_index": np.broadcast_to(np.arange(width, dtype=np.int64), (len(rows), width))}, view)
+        out = _outputs(out)
         view.write(out["new_key"], out["new_value"], past_len.tolist(), [len(f) for f in fed])
         results = []
         for i, (row, want) in enumerate(zip(rows, proposals, strict=True)):
@@ -443,9 +470,13 @@ class _CountingRunner:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.calls: dict[str, int] = {}
+        self.fail_next = False  # tests only: see Scheduler._guarded
         self.on_call: Callable[[str], None] = lambda graph: None
 
     def infer(self, graph: str, feeds: dict[str, Any], cache: KVCache) -> dict[str, Any]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError(f"injected test fault ({FAULT_PROMPT_ENV})")
         out = self.runner.infer(graph, feeds, cache)
         self.calls[graph] = self.calls.get(graph, 0) + 1
         self.on_call(graph)
@@ -453,6 +484,12 @@ class _CountingRunner:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
+
+
+def _outputs(out: dict[str, Any]) -> dict[str, Any]:
+    """A call's outputs on the host (TensorRT returns device tensors), but for the new KV entries,
+    which go into the cache where the backend keeps it."""
+    return {name: value if name in ("new_key", "new_value") else _host(value) for name, value in out.items()}
 
 
 def _cache_dtype(runner: Any) -> torch.dtype:

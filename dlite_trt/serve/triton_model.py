@@ -1,17 +1,19 @@
 """The Triton Python-backend model that serves an engine (``model.py`` in the repository imports it).
 
 Non-decoupled (``dlite``): Triton's dynamic batcher hands ``execute`` the requests that arrived
-together; their greedy ones run as one engine batch. Decoupled (``dlite_stream``): each request
-streams one response per engine step with the text and ids it added, then a final empty response.
-A malformed request gets an error response naming the problem, and a request that fails in the
-engine an error of its own; the others in its batch are served. Before every engine step a stream
-asks Triton whether its client cancelled (disconnected, or stopped the stream with cancellation):
-if so it stops there and the instance goes on to the next request.
+together; their greedy ones run as one engine batch. Decoupled (``dlite_stream``): ``execute``
+hands each request to the in-flight scheduler (``serve.scheduler``, the OpenAI server's: requests
+join the running engine batch at step boundaries, prefix KV reuse across requests) and returns;
+the scheduler's thread sends one response per engine step with the text and ids it added, then
+a final empty response. A malformed request gets an error response naming the problem, and a
+request that fails in the engine an error of its own; the others are served. At every step a
+stream asks Triton whether its client cancelled (disconnected, or stopped the stream with
+cancellation): if so its row leaves the batch there.
 
 Test-only fault hook: with ``DLITE_TRT_TEST_FAULT_PROMPT`` (comma-separated token ids) in the
-server's environment, an engine run (a batch or a stream) that holds a prompt of exactly those ids
-raises as a broken engine would, so tests of a real server can show one failing request leaves
-the rest of its batch answered. Unset (always, outside tests) it does nothing.
+server's environment, an engine run that holds a prompt of exactly those ids raises as a broken
+engine would (a batch of ``dlite``; a step of ``dlite_stream``), so tests of a real server can
+show one failing request leaves the rest answered. Unset (always, outside tests) it does nothing.
 """
 
 from __future__ import annotations
@@ -19,18 +21,16 @@ from __future__ import annotations
 import json
 import os
 import traceback
-from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dlite_trt.errors import DLiteError
-from dlite_trt.serve.generation import Reply, RequestRunner
+from dlite_trt.runtime.session import SamplingParams
+from dlite_trt.serve.generation import Reply, ReplyText, RequestRunner
 from dlite_trt.serve.protocol import INPUTS, Request, parse_request
-
-FAULT_PROMPT_ENV = "DLITE_TRT_TEST_FAULT_PROMPT"
+from dlite_trt.serve.scheduler import FAULT_PROMPT_ENV, Scheduler, Update
 
 
 class TritonPythonModel:
@@ -56,6 +56,7 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"dlite-trt: {FAULT_PROMPT_ENV} is set: the prompt {fault} fails (a test hook)")
         manifest = self.runner.generator.manifest
         self.limits = dict(vocab_size=manifest.target_spec.vocab_size, max_seq_len=manifest.limits.max_seq_len)
+        self.scheduler = Scheduler(self.runner.generator).start() if self.decoupled else None
 
     def _parse(self, request: Any) -> Request:
         inputs = {}
@@ -110,32 +111,52 @@ class TritonPythonModel:
             return self._error(exc)
 
     def _stream(self, request: Any) -> None:
-        """One response per engine step (that step's text and ids, statistics so far), then a final flag."""
+        """Queue the request on the scheduler; its thread sends the responses (``_Stream``)."""
         sender = request.get_response_sender()
-        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
             parsed = self._parse(request)
-            with closing(self.runner.stream(parsed)) as pieces:  # closed early: the engine session goes
-                self._send_until_cancelled(pieces, sender, parsed)
+            stream = _Stream(self, sender, parsed)
+            params = SamplingParams(max_new_tokens=parsed.max_tokens, temperature=parsed.temperature,
+                                    seed=parsed.seed, stop_token_ids=self.runner.stop_ids(parsed))
+            stream.handle = self.scheduler.submit(parsed.prompt, params, stream.deliver)
         except Exception as exc:  # noqa: BLE001 - the client must still get an answer and the final flag
-            sender.send(self._error(exc), flags=final)
-            return
-        sender.send(flags=final)  # a cancelled request too: Triton releases it on the final flag
-
-    def _send_until_cancelled(self, pieces: Iterator[tuple[str, list[int], Reply]], sender: Any,
-                              request: Request) -> None:
-        """Send each piece; before asking for the next (the next engine step) check whether the
-        client cancelled, so a client that went away does not keep the instance busy."""
-        tokens = 0
-        while not sender.is_cancelled():
-            piece = next(pieces, None)
-            if piece is None:
-                return
-            text, ids, reply = piece
-            sender.send(self._response(text, ids, reply))
-            tokens = len(reply.output_ids)
-        self.pb.Logger.log_info(f"dlite-trt: stream cancelled by its client after {tokens} of max_tokens "
-                                f"{request.max_tokens} tokens; stopped there")
+            sender.send(self._error(exc), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
         self.runner = None
+
+
+class _Stream:
+    """One ``dlite_stream`` request on the scheduler: each update (an engine call) becomes a response
+    with the text and ids it added; the last one, a stop string or a cancelled client ends it with
+    the final flag. Runs on the scheduler's thread."""
+
+    def __init__(self, model: TritonPythonModel, sender: Any, request: Request) -> None:
+        self.model, self.sender, self.request = model, sender, request
+        self.text = ReplyText(model.runner.decode, request.stop)
+        self.handle = None  # set once submitted (a max_tokens = 0 request is answered before that)
+        self.ended = False
+
+    def _end(self, response: Any = None) -> None:
+        self.ended = True
+        self.sender.send(response, flags=self.model.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def deliver(self, update: Update) -> None:
+        if self.ended:
+            return
+        if update.error is not None:
+            return self._end(self.model._error(update.error))
+        if self.sender.is_cancelled():  # the client went away: its row leaves at the next step
+            self.handle.cancel()
+            self.model.pb.Logger.log_info(
+                f"dlite-trt: stream cancelled by its client after {len(self.text.reply.output_ids)} of max_tokens "
+                f"{self.request.max_tokens} tokens; stopped there")
+            return self._end()
+        for text, ids in self.text.take(update.tokens, update.step, update.finish_reason is not None):
+            self.sender.send(self.model._response(text, ids, self.text.reply))
+        if self.text.done:
+            self.handle.cancel("stop_string")
+        if self.text.done or update.finish_reason is not None:
+            self._end()
