@@ -210,7 +210,7 @@ def run(engine: Path, sessions: Sequence[Task], *, methods: Sequence[str], reuse
         direct_tps = sum(len(o) for o in outputs.values()) / wall
         report["direct_runtime"] = {"output_tokens_per_s": round(direct_tps, 3), "wall_s": round(wall, 3),
                                     "server_overhead": round(direct_tps / served["output_tokens_per_s"] - 1, 4),
-                                    "outputs_equal_server": outputs == {k: v for k, v in reference.items()}}
+                                    "outputs_equal_server": outputs == reference}
         log(f"direct runtime     c=1   {direct_tps:8.2f} tok/s  (server overhead "
             f"{report['direct_runtime']['server_overhead']:+.1%})")
     return report

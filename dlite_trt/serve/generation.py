@@ -51,6 +51,11 @@ class Reply:
         return sum(p for _, _, p in self._kept_steps())
 
     @property
+    def step_count(self) -> int:
+        """Speculative steps whose tokens are in the output."""
+        return sum(1 for _ in self._kept_steps())
+
+    @property
     def mean_acceptance_length(self) -> float:
         """Output tokens per speculative step (prefill token excluded); 0 when no step ran."""
         kept = [k for k, _, _ in self._kept_steps()]

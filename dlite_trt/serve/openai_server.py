@@ -121,7 +121,7 @@ class OpenAIFrontend:
 def _speculative(reply: Reply) -> dict[str, Any]:
     return {"mean_acceptance_length": round(reply.mean_acceptance_length, 4),
             "accepted_draft_tokens": reply.accepted, "proposed_draft_tokens": reply.proposed,
-            "steps": sum(1 for _ in reply._kept_steps())}
+            "steps": reply.step_count}
 
 
 def _usage(prompt: list[int], reply: Reply, cached: int) -> dict[str, Any]:

@@ -465,11 +465,10 @@ class _DecodeCalls:
 
 
 class _CountingRunner:
-    """The engine's runner, counting calls per graph (the server's engine_calls metric)."""
+    """The engine's runner, reporting each call's graph (the server's engine_calls metric)."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.calls: dict[str, int] = {}
         self.fail_next = False  # tests only: see Scheduler._guarded
         self.on_call: Callable[[str], None] = lambda graph: None
 
@@ -478,7 +477,6 @@ class _CountingRunner:
             self.fail_next = False
             raise RuntimeError(f"injected test fault ({FAULT_PROMPT_ENV})")
         out = self.runner.infer(graph, feeds, cache)
-        self.calls[graph] = self.calls.get(graph, 0) + 1
         self.on_call(graph)
         return out
 
