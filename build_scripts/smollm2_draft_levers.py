@@ -11,7 +11,7 @@ greedy decoding, cached in --out), per block position and by the target's confid
 
 Experiments (names on the command line; default: all, each skipped when its result exists):
 - random:        the control, dlite_v1's default initialisation;
-- informed:      a target-informed initialisation (``informed_init``): the context slots centred
+- informed:      a target-informed initialisation (training/informed_init.py): the context slots centred
                  (layer_depth_embedding = minus each layer's mean state, which removes SmolLM2's
                  massive activations before context_norm), the head's output side a whitened
                  rank-r factorisation of the target's LM head, its token embedding the top-r
@@ -21,12 +21,20 @@ Experiments (names on the command line; default: all, each skipped when its resu
 - informed-lr3e-3: the same as informed at 3x the learning rate;
 - informed-answer-anchors: informed, only blocks whose proposals are the target's own answer
                  (what decoding drafts) instead of blocks anywhere in the window;
+- answer-ce1:    informed + answer anchors with the CE term's weight 1 instead of 0.1 (TV's
+                 gradient shrinks with the draft's probability of the right token; CE's does not);
+- answer-state1: informed + answer anchors plus the draft_hidden regression on the target's own
+                 final state (``state_regression``, weight 1);
+- answer-ce1-state1: both;
 - data-25, data-50: informed on the first 25% / 50% of the cached sequences (the data-volume
                  curve; informed is 100%);
 - head-only:     no training: the bundled draft with its backbone's output zeroed (what its head
                  does without the pivot's states);
 - head-rank:     no training: the agreement of a linear rank-r readout of the target's own final
-                 state with the target's greedy token (the best case of a rank-r head).
+                 state with the target's greedy token (the best case of a rank-r head);
+- memorisation:  no training: the snapshots of the informed-answer-anchors run in --out, measured
+                 the same way on 16 training answers of the file and of the chat kind (answers the
+                 draft was trained on) beside the held-out files' figure: the generalisation gap.
 
     python build_scripts/smollm2_draft_levers.py --work /work/runs/smollm2 --out /work/runs/levers
 """
@@ -36,77 +44,50 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_smollm2_draft import Target, agreement  # noqa: E402  (the same target and measurement)
+from train_smollm2_draft import (  # noqa: E402  (the same target, prompts and measurement)
+    BUDGETS,
+    Target,
+    agreement,
+    training_prompts,
+)
 
-INFORMED = ("center", "head", "prev_embedding", "norm")
-TRAINED = {  # name -> (initialisation parts, learning rate, share of the data, anchor region, batch seed)
-    "random": ((), 1e-3, 1.0, "window", 0),
-    "informed": (INFORMED, 1e-3, 1.0, "window", 0),
-    "informed-seed1": (INFORMED, 1e-3, 1.0, "window", 1),
-    "informed-layers": ((*INFORMED, "layers"), 1e-3, 1.0, "window", 0),
-    "informed-lr3e-3": (INFORMED, 3e-3, 1.0, "window", 0),
-    "informed-answer-anchors": (INFORMED, 1e-3, 1.0, "answer", 0),
-    "data-25": (INFORMED, 1e-3, 0.25, "window", 0),
-    "data-50": (INFORMED, 1e-3, 0.5, "window", 0),
+from dlite_trt.training.informed_init import DEFAULT_PARTS, informed_init, sample_states, whitened_factors  # noqa: E402
+from dlite_trt.training.losses import LossWeights  # noqa: E402
+
+INFORMED = DEFAULT_PARTS
+
+
+class Lever(NamedTuple):
+    parts: tuple[str, ...] = INFORMED  # the initialisation's informed parts (() : dlite_v1's default)
+    lr: float = 1e-3
+    share: float = 1.0  # of the cached sequences, the first
+    region: str = "window"  # where blocks are anchored
+    seed: int = 0  # batch seed
+    weights: LossWeights = LossWeights()
+
+
+TRAINED = {
+    "random": Lever(parts=()),
+    "informed": Lever(),
+    "informed-seed1": Lever(seed=1),
+    "informed-layers": Lever(parts=(*INFORMED, "layers")),
+    "informed-lr3e-3": Lever(lr=3e-3),
+    "informed-answer-anchors": Lever(region="answer"),
+    "data-25": Lever(share=0.25),
+    "data-50": Lever(share=0.5),
+    "answer-ce1": Lever(region="answer", weights=LossWeights(ce=1.0)),
+    "answer-state1": Lever(region="answer", weights=LossWeights(state=1.0)),
+    "answer-ce1-state1": Lever(region="answer", weights=LossWeights(ce=1.0, state=1.0)),
 }
-MEASURED = ("head-only", "head-rank")
-
-
-def sample_states(cache, rows: int, seed: int = 0):
-    """[N, S, H] cached states of ``rows`` random sequences, positions 4.. (past the attention sink)."""
-    import numpy as np
-    import torch
-
-    picked = np.random.default_rng(seed).choice(len(cache.sequences), min(rows, len(cache.sequences)), replace=False)
-    return torch.cat([cache.window(int(r), 4, len(cache.sequences[r].tokens) - 4)["hidden"] for r in picked])
-
-
-def whitened_factors(lm_head, final_states, rank: int):
-    """(A [V, r], B [r, H]) with A @ B the rank-r W minimising E||(W - A B) h||^2 over the states h."""
-    import torch
-
-    h = final_states.double()
-    eigval, eigvec = torch.linalg.eigh(h.T @ h / len(h))
-    eigval = eigval.clamp_min(1e-6 * eigval.max())
-    root, inv_root = (eigvec * eigval.sqrt()) @ eigvec.T, (eigvec / eigval.sqrt()) @ eigvec.T
-    u, s, vh = torch.linalg.svd(lm_head.double() @ root, full_matrices=False)
-    half = s[:rank].sqrt()
-    return (u[:, :rank] * half).float(), (half[:, None] * vh[:rank] @ inv_root).float()
-
-
-def informed_init(draft, target, states, parts) -> None:
-    """Overwrite ``parts`` of ``draft``'s weights from the target and its cached states."""
-    import torch
-
-    cfg, sd = draft.cfg, draft.state_dict()
-    rank, lm_head = cfg.sequential_rank, target.hf.lm_head.weight.detach().float()
-    if "center" in parts:
-        for slot, layer in enumerate(cfg.target_layer_ids):
-            sd["layer_depth_embedding.weight"][layer] = -states[:, slot].mean(0)
-    if "head" in parts:  # the last slot is the target's final (normed) state
-        out_side, in_side = whitened_factors(lm_head, states[:, -1], rank)
-        sd["sequential_head.output_proj.weight"] = out_side
-        mlp = torch.zeros(rank, rank + cfg.hidden_size)
-        mlp[:, rank:] = in_side  # the state's columns start at zero
-        sd["sequential_head.state_hidden_mlp.weight"] = mlp
-        sd["sequential_head.state_hidden_mlp.bias"] = torch.zeros(rank)
-    if "prev_embedding" in parts:
-        centred = lm_head - lm_head.mean(0)
-        projected = centred @ torch.linalg.svd(centred, full_matrices=False)[2][:rank].T
-        sd["sequential_head.prev_token_embedding.weight"] = projected / projected.std()
-    if "norm" in parts:
-        sd["norm.weight"] = target.hf.model.norm.weight.detach().float().clone()
-    if "layers" in parts:
-        for i, layer in enumerate(target.hf.model.layers[-cfg.num_hidden_layers:]):
-            for name, weight in layer.state_dict().items():
-                if f"layers.{i}.{name}" in sd and sd[f"layers.{i}.{name}"].shape == weight.shape:
-                    sd[f"layers.{i}.{name}"] = weight.detach().float().clone()
-    draft.load_state_dict(sd, strict=True)
+MEASURED = ("head-only", "head-rank", "memorisation")
+MEMORISED = "informed-answer-anchors"  # the run whose snapshots memorisation measures
 
 
 @click.command()
@@ -169,6 +150,24 @@ def main(names: tuple[str, ...], work: Path, out: Path, steps: int, snapshots: i
             backbone = draft.backbone
             draft.backbone = lambda *a, **k: torch.zeros_like(backbone(*a, **k))
             result = {"draft": str(bundled), "trained": evaluate(draft)}
+        elif name == "memorisation":
+            first, more = training_prompts(target.tokenizer, BUDGETS["full"], 0)
+            kinds = {tuple(p): kind for kind, p in first + more}
+            draft = load_draft(init_dir, target=target.spec).float()
+            result = {"run": MEMORISED}
+            for snap in sorted((out / f"{MEMORISED}-runs" / "stage2-run").glob("snapshot-*.safetensors"),
+                               key=lambda p: int(p.stem[9:])):
+                draft.load_state_dict(load_file(str(snap)), strict=True)
+                step = snap.stem[9:]
+                result[f"held_out_{step}"] = evaluate(draft)["teacher_forced_acceptance_length"]
+                for kind in ("file", "chat"):
+                    seen = [s for s in cache.sequences if kinds.get(tuple(s.prompt_ids)) == kind
+                            and len(s.answer_ids) >= 64][:16]
+                    got = agreement(target, draft.eval(), [list(s.prompt_ids) for s in seen],
+                                    [list(s.answer_ids) for s in seen])
+                    result[f"{kind}_{step}"] = {"sequences": len(seen),
+                                                "tf_al": got["teacher_forced_acceptance_length"],
+                                                "per_position": got["per_position_agreement"]}
         elif name == "head-rank":
             states = sample_states(cache, 160)
             train, test = states[: len(states) * 3 // 4], states[len(states) * 3 // 4:]
@@ -180,22 +179,23 @@ def main(names: tuple[str, ...], work: Path, out: Path, steps: int, snapshots: i
                 result[f"rank_{rank}_top1_agreement"] = round(float(((test[:, -1] @ b.T @ a.T).argmax(-1) == greedy)
                                                                     .float().mean()), 3)
         else:
-            parts, lr, share, region, seed = TRAINED[name]
+            parts, lr, share, region, seed, weights = TRAINED[name]
             draft = load_draft(init_dir, target=target.spec).float()
             if parts:
-                informed_init(draft, target, sample_states(cache, 200), set(parts))
+                informed_init(draft, target.hf.lm_head.weight, target.hf.model.norm.weight, target.hf.model.layers,
+                              sample_states(cache, 200), parts)
             at_init = evaluate(draft)
             everything = cache.sequences
             cache.sequences = everything[: max(1, int(len(everything) * share))]  # the first share: prompts are shuffled
             try:
                 train_student(adapter, cache, draft, out / name, StudentPlan(0, steps, lr=lr, snapshot_every=steps // snapshots if snapshots else 0),
                               BatchSettings(seq_len=256, batch_seqs=8, anchors=16, seed=seed, anchor_region=region),
-                              runs=out / f"{name}-runs",
+                              weights=weights, runs=out / f"{name}-runs",
                               progress=False)
             finally:
                 cache.sequences = everything
             result = {"parts": list(parts), "lr": lr, "data_share": share, "anchor_region": region, "batch_seed": seed,
-                      "steps": steps, "init": at_init,
+                      "loss_weights": asdict(weights), "steps": steps, "init": at_init,
                       "trained": evaluate(load_draft(out / name, target=target.spec))}
             curve = {}
             for snap in sorted((out / f"{name}-runs" / "stage2-run").glob("snapshot-*.safetensors"),

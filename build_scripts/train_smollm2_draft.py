@@ -6,14 +6,17 @@
    training split (the file so far, cut at several places; docstring-style; chat-style through
    the chat template), answered greedily and batched by the reference target, with the draft's
    layers' hidden states and the target's top-k cached on disk (training/state_cache.py);
-3. the history-aware teacher, then the student in two stages (stage 1: KL to the teacher;
-   stage 2: CE + TV against the target);
+3. the target-informed initialisation of that draft (training/informed_init.py, from the
+   cached states), then the history-aware teacher, then the student in two stages (stage 1: KL
+   to the teacher; stage 2: CE + TV against the target), every block anchored in the target's
+   own answers (what decoding drafts);
 4. with --ablation, a single-stage student (stage 2 only) for the same number of optimizer
    steps (teacher + stage 1 + stage 2) on the same batches;
 5. the acceptance length, greedy: held-out standard-library files (each continued from its
    first 256 tokens for 128 new tokens), chat-style instructions made from held-out files, and
    another package's code (never trained on), with n-gram prompt lookup's on the same prompts;
-6. the two-stage draft in fp16 -> --out (the bundled draft), with acceptance.json.
+6. the better of the two drafts on held-out files (the two-stage one without --ablation) in
+   fp16 -> --out (the bundled draft), with acceptance.json.
 
 Every stage resumes where it stopped when the command is run again with the same --work.
 
@@ -26,21 +29,29 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import click
 
+from dlite_trt.training.losses import LossWeights
+
 BUDGETS = {
     "smoke": {"prompts": {"file": 4, "docstring": 2, "chat": 2}, "answer_tokens": 12, "prompt_tokens": 96,
+              "more_prompts": {"file": 2, "chat": 1}, "more_take": 2, "more_answer_tokens": 8,
               "teacher": 4, "stage1": 2, "stage2": 4, "batch_seqs": 2, "anchors": 8, "seq_len": 64,
               "measure": {"files": 1, "chat": 1, "other": 1, "prompt_tokens": 64, "new_tokens": 16}},
     "full": {"prompts": {"file": 420, "docstring": 120, "chat": 120}, "answer_tokens": 96, "prompt_tokens": 320,
-             "teacher": 200, "stage1": 100, "stage2": 400, "batch_seqs": 8, "anchors": 16, "seq_len": 256,
+             "more_prompts": {"file": 360, "docstring": 180, "chat": 180}, "more_take": 240, "more_answer_tokens": 128,
+             "teacher": 100, "stage1": 100, "stage2": 500, "batch_seqs": 8, "anchors": 16, "seq_len": 256,
              "measure": {"files": 24, "chat": 16, "other": 16, "prompt_tokens": 256, "new_tokens": 128}},
 }
 DRAFT_SHAPE = {"num_hidden_layers": 2, "chs_num_layers": 5, "block_size": 8, "anchor_group_size": 2,
                "sequential_rank": 128}
 OTHER_PACKAGE = "click"  # code from outside the standard library, never trained on
+ANCHOR_REGION = "answer"  # blocks drafting the target's own answers (docs/training.md, levers)
+DATA_BATCH = 16  # prompts answered together
+LOSS = LossWeights()
 
 
 def other_package_files() -> list[Path]:
@@ -130,6 +141,23 @@ def agreement(target, draft, prompts: list[list[int]], outputs: list[list[int]])
                 for k in range(1, hit.shape[1] + 1)}}
 
 
+def training_prompts(tokenizer, budget: dict, seed: int) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
+    """The two prompt sets answered for the data, [(kind, ids)] each: the first, and the second
+    the cache grows by (the first ``more_take`` of another draw: other cuts, other functions' prompts;
+    exact repeats of the first dropped)."""
+    from dlite_trt.tiny_models import stdlib_files
+    from dlite_trt.training.prompts import coding_prompts
+
+    files = stdlib_files("train")
+    first = coding_prompts(files, tokenizer, counts=budget["prompts"], max_prompt_tokens=budget["prompt_tokens"],
+                           seed=seed)
+    seen = {tuple(p) for _, p in first}
+    more = [(kind, p) for kind, p in coding_prompts(files, tokenizer, counts=budget["more_prompts"],
+                                                    max_prompt_tokens=budget["prompt_tokens"], seed=seed + 1)
+            if tuple(p) not in seen]
+    return first, more[: budget["more_take"]]
+
+
 class Target:
     """The SmolLM2 target, loaded once: HF model, spec, tokenizer, stop tokens."""
 
@@ -164,6 +192,7 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     from dlite_trt.runtime.reference import SpeculativeGenerator
     from dlite_trt.runtime.session import SamplingParams
     from dlite_trt.tiny_models import stdlib_files
+    from dlite_trt.training.informed_init import DEFAULT_PARTS, informed_init, sample_states
     from dlite_trt.training.init_draft import pick_mask_token, write_initial_draft
     from dlite_trt.training.pipeline import BatchSettings, StudentPlan, load_teacher, train_student, train_teacher
     from dlite_trt.training.prompts import coding_prompts
@@ -193,44 +222,55 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     cfg = load_draft(init_dir, target=target.spec).cfg
     adapter = TargetAdapter(target.hf, target.spec, cfg.target_layer_ids).eval()
 
-    files = stdlib_files("train")
-    prompts = coding_prompts(files, target.tokenizer, counts=b["prompts"], max_prompt_tokens=b["prompt_tokens"],
-                             seed=seed)
-    kinds = {k: sum(1 for kind, _ in prompts if kind == k) for k in ("file", "docstring", "chat")}
-    say(f"data: {len(prompts)} prompts {kinds}, answers up to {b['answer_tokens']} tokens -> {work / 'data'}")
-    write_state_cache(adapter, [p for _, p in prompts], work / "data", layer_ids=cfg.target_layer_ids,
-                      max_new_tokens=b["answer_tokens"], stop_token_ids=target.stops, batch_size=16,
-                      target_name="smollm2-135m",
-                      log=lambda done, total, rate: say(f"data {done}/{total} prompts, {rate:.0f} answer tok/s"))
+    first, more = training_prompts(target.tokenizer, b, seed)
+    prompts = first + more
+    def kinds_of(part: list[tuple[str, list[int]]]) -> dict[str, int]:
+        return {k: sum(1 for kind, _ in part if kind == k) for k in ("file", "docstring", "chat")}
+
+    kinds = kinds_of(prompts)
+    for upto, answer_tokens in ((first, b["answer_tokens"]), (prompts, b["more_answer_tokens"])):
+        say(f"data: {len(upto)} prompts {kinds_of(upto)}, answers up to {answer_tokens} tokens -> {work / 'data'}")
+        write_state_cache(adapter, [p for _, p in upto], work / "data", layer_ids=cfg.target_layer_ids,
+                          max_new_tokens=answer_tokens, stop_token_ids=target.stops, batch_size=DATA_BATCH,
+                          target_name="smollm2-135m",
+                          log=lambda done, total, rate: say(f"data {done}/{total} prompts, {rate:.0f} answer tok/s"))
     lap("data")
     if until == "data":
         return
     cache = StateCache(work / "data", cfg.target_layer_ids, target.spec.vocab_size)
-    batches = BatchSettings(seq_len=b["seq_len"], batch_seqs=b["batch_seqs"], anchors=b["anchors"], seed=seed)
+    informed_dir = work / "informed-init"
+    if not (informed_dir / "model.safetensors").is_file():  # written whole, then renamed: a kill leaves none
+        draft = load_draft(init_dir, target=target.spec).float()
+        informed_init(draft, target.hf.lm_head.weight, target.hf.model.norm.weight, None,
+                      sample_states(cache, 200, seed=seed), DEFAULT_PARTS)
+        save_draft(draft, work / "informed-init.tmp")
+        (work / "informed-init.tmp").replace(informed_dir)
+    batches = BatchSettings(seq_len=b["seq_len"], batch_seqs=b["batch_seqs"], anchors=b["anchors"], seed=seed,
+                            anchor_region=ANCHOR_REGION)
     lr = 1e-3
-    init = load_draft(init_dir, target=target.spec).float()
+    init = load_draft(informed_dir, target=target.spec).float()
     if (work / "teacher" / "teacher.safetensors").is_file():
         teacher = load_teacher(work / "teacher")
     else:
         teacher = train_teacher(adapter, cache, init, work / "teacher", TrainSettings(steps=b["teacher"], lr=lr),
-                                batches, window=16)
+                                batches, window=16, weights=LOSS)
     lap("teacher")
     if until == "teacher":
         return
     two_stage = work / "two-stage"
     if not (two_stage / "model.safetensors").is_file():
-        train_student(adapter, cache, load_draft(init_dir, target=target.spec).float(), two_stage,
+        train_student(adapter, cache, load_draft(informed_dir, target=target.spec).float(), two_stage,
                       StudentPlan(b["stage1"], b["stage2"], lr=lr, snapshot_every=max(1, b["stage2"] // 4)), batches,
-                      teacher, runs=work / "two-stage-runs")
+                      teacher, weights=LOSS, runs=work / "two-stage-runs")
     lap("two_stage")
     if until == "two-stage":
         return
     single = work / "single-stage"
     if ablation and not (single / "model.safetensors").is_file():
         total = b["teacher"] + b["stage1"] + b["stage2"]
-        train_student(adapter, cache, load_draft(init_dir, target=target.spec).float(), single,
+        train_student(adapter, cache, load_draft(informed_dir, target=target.spec).float(), single,
                       StudentPlan(0, total, lr=lr, snapshot_every=max(1, total // 4)), batches,
-                      runs=work / "single-stage-runs")
+                      weights=LOSS, runs=work / "single-stage-runs")
     lap("single_stage")
 
     m = b["measure"]
@@ -265,6 +305,16 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
                                                       prompt_sets[set_name], baselines[set_name])
                                   for set_name in prompt_sets}
                            for name, path in drafts.items()}
+    # memorisation: the same agreement on answers the drafts were trained on (file prompts of the
+    # first set), against the held-out files' above
+    file_kind = {tuple(p) for kind, p in first if kind == "file"}
+    long_enough = min(64, b["answer_tokens"] // 2)
+    seen = [s for s in cache.sequences
+            if tuple(s.prompt_ids) in file_kind and len(s.answer_ids) >= long_enough][: m["files"]]
+    for name, path in drafts.items() if seen else ():
+        report["agreement"][name]["training_file_answers"] = agreement(
+            target, load_draft(path, target=target.spec).float(), [list(s.prompt_ids) for s in seen],
+            [list(s.answer_ids) for s in seen])
     # the training-steps curve: held-out files' acceptance length at the two-stage student's
     # stage-2 snapshots (the last one is the final draft, measured above)
     curve = {f"stage2_step_{b['stage2']}": report["two_stage"]["held_out_stdlib_files"]["mean_acceptance_length"]}
@@ -277,12 +327,14 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     report["steps_curve"] = dict(sorted(curve.items(), key=lambda item: int(item[0].rsplit("_", 1)[1])))
     lap("diagnosis")
 
+    bundled = max(drafts, key=lambda name: report[name]["held_out_stdlib_files"]["mean_acceptance_length"])
     out.mkdir(parents=True, exist_ok=True)
-    save_draft(load_draft(two_stage, target=target.spec).half(), out)
+    save_draft(load_draft(drafts[bundled], target=target.spec).half(), out)
     data_tokens = {"sequences": len(cache.sequences), "prompt_tokens": sum(len(s.prompt_ids) for s in cache.sequences),
                    "answer_tokens": sum(len(s.answer_ids) for s in cache.sequences), "prompt_kinds": kinds}
     report |= {"budget": budget, "settings": {k: v for k, v in b.items() if k != "measure"}, "measure": m,
-               "draft_shape": DRAFT_SHAPE, "lr": lr, "data": data_tokens, "seed": seed, "seconds": seconds,
+               "draft_shape": DRAFT_SHAPE, "lr": lr, "informed_init": list(DEFAULT_PARTS),
+               "anchor_region": ANCHOR_REGION, "loss_weights": asdict(LOSS), "bundled": bundled, "data": data_tokens, "seed": seed, "seconds": seconds,
                "total_seconds": round(sum(seconds.values()), 1), "command": " ".join(["python", *sys.argv])}
     (out / "acceptance.json").write_text(json.dumps(report, indent=2) + "\n")
     click.echo(json.dumps(report))

@@ -80,6 +80,20 @@ def test_a_killed_run_resumes_to_the_same_files(setup, tmp_path):
         assert (killed / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
 
 
+def test_more_prompts_after_the_cached_ones_grow_the_cache(setup, tmp_path):
+    _, cfg, adapter, prompts = setup
+    _write(adapter, cfg, prompts, tmp_path / "whole")
+    grown = tmp_path / "grown"
+    _write(adapter, cfg, prompts[:2], grown)
+    _write(adapter, cfg, prompts, grown)  # the first two are cached: only the last three are answered
+    for name in [*(f"{a}.bin" for a in ARRAYS), SEQUENCES]:
+        assert (grown / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    with pytest.raises(ConfigError, match="5 cached"):
+        _write(adapter, cfg, prompts[:4], grown)  # fewer prompts than cached: not these answers
+    with pytest.raises(ConfigError, match="must start"):
+        _write(adapter, cfg, [prompts[1], *prompts], grown)
+
+
 def test_another_layout_is_refused(setup, tmp_path):
     _, cfg, adapter, prompts = setup
     _write(adapter, cfg, prompts[:2], tmp_path)

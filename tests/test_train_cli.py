@@ -214,3 +214,47 @@ def test_data_with_cached_states_trains_without_the_target_forward(trained, monk
     run("train", "student", *cached_common, "--teacher", root / "cached-teacher", "--out", root / "cached-student",
         "--stage1-steps", "1", "--stage2-steps", "1")
     load_draft(root / "cached-student")
+
+
+def test_inform_then_train_on_answer_anchors(trained):
+    """`train inform`: a dlite_v1 checkpoint whose head reads the target's final state much as the
+    target's LM head does (through rank r; the trained tiny draft's head does not) and whose
+    context slots are centred on the cached states; a student trains from it on answer
+    anchors; bad input is refused with the fix."""
+    from dlite_trt.targets import build_hf_model, resolve_target
+    from dlite_trt.training.informed_init import sample_states
+    from dlite_trt.training.state_cache import StateCache
+
+    target, draft, root, run, common = trained
+    run("train", "data", "--target", target, "--prompts", root / "texts", "--out", root / "inform-data",
+        "--max-prompt-tokens", "24", "--max-new-tokens", "16", "--states-for", draft)
+    run("train", "inform", "--target", target, "--data", root / "inform-data", "--init", draft,
+        "--out", root / "informed")
+    informed = load_draft(root / "informed").float()
+    cfg = informed.cfg
+    cache = StateCache(root / "inform-data", cfg.target_layer_ids, cfg.vocab_size)
+    states = sample_states(cache, 200)  # the command's default sample
+    depth = informed.layer_depth_embedding.weight[list(cfg.target_layer_ids)]
+    torch.testing.assert_close((states + depth).mean(0), torch.zeros_like(depth), atol=1e-4, rtol=0)
+    hf = build_hf_model(resolve_target(str(target)), torch.float32)
+    final = states[:, -1]
+    from dlite_trt.model.sequential_head import recurrence
+
+    def agreement(model) -> float:  # the head on the target's own final state vs its LM head
+        with torch.no_grad():
+            got = recurrence(model.sequential_head.weights(), final[:, None], torch.zeros(len(final), dtype=torch.long),
+                             None).logits[:, 0]
+            return (got.argmax(-1) == (final @ hf.lm_head.weight.T).argmax(-1)).float().mean().item()
+
+    assert agreement(informed) > max(0.8, agreement(load_draft(draft).float()) + 0.3)
+    informed_common = [str(root / "inform-data") if a == root / "data" else a for a in common]
+    informed_common[informed_common.index(draft)] = str(root / "informed")
+    run("train", "student", *informed_common, "--out", root / "informed-student", "--single-stage",
+        "--stage1-steps", "0", "--stage2-steps", "2", "--anchor-region", "answer")
+    load_draft(root / "informed-student")
+    again = CliRunner().invoke(main, ["train", "inform", "--target", str(target), "--data", str(root / "inform-data"),
+                                      "--init", str(draft), "--out", str(root / "informed")])
+    assert again.exit_code == 1 and "exists and is not empty" in again.output
+    not_cache = CliRunner().invoke(main, ["train", "inform", "--target", str(target), "--data", str(root / "data"),
+                                          "--init", str(draft), "--out", str(root / "x")])
+    assert not_cache.exit_code == 2 and "--states-for" in not_cache.output

@@ -42,10 +42,11 @@ def _init_distributed() -> None:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
-def _batches(seq_len: int, batch_seqs: int, anchors: int, seed: int):
+def _batches(seq_len: int, batch_seqs: int, anchors: int, seed: int, anchor_region: str):
     from dlite_trt.training.pipeline import BatchSettings
 
-    return BatchSettings(seq_len=seq_len, batch_seqs=batch_seqs, anchors=anchors, seed=seed)
+    return BatchSettings(seq_len=seq_len, batch_seqs=batch_seqs, anchors=anchors, seed=seed,
+                         anchor_region=anchor_region)
 
 
 def _common(f):
@@ -63,6 +64,9 @@ def _common(f):
                      help="Sequence windows per step (split across data-parallel ranks)."),
         click.option("--anchors", default=16, show_default=True, type=click.IntRange(min=1),
                      help="Draft blocks per sequence window per step."),
+        click.option("--anchor-region", default="window", show_default=True, type=click.Choice(["window", "answer"]),
+                     help="Where blocks are anchored: anywhere in the window, or only where they draft the "
+                          "target's own answer (what decoding drafts; better on SmolLM2, docs/training.md)."),
         click.option("--lr", default=3e-4, show_default=True, type=click.FloatRange(min=0, min_open=True),
                      help="Peak learning rate (then a cosine decay to a tenth of it)."),
         click.option("--seed", default=0, show_default=True, type=int,
@@ -197,8 +201,8 @@ def data(target: str, prompts: Path, out: Path, max_prompt_tokens: int, max_new_
 @click.option("--window", default=16, show_default=True, type=click.IntRange(min=0),
               help="Past positions the teacher sees beyond the pivot.")
 @click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1), help="Training steps.")
-def teacher(target, data, init, out, seq_len, batch_seqs, anchors, lr, seed, random_weights, quiet, window,
-            steps) -> None:
+def teacher(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region, lr, seed, random_weights, quiet,
+            window, steps) -> None:
     """Train the isomorphic history-aware teacher."""
     from dlite_trt.training.pipeline import train_teacher
     from dlite_trt.training.trainer import TrainSettings
@@ -206,7 +210,7 @@ def teacher(target, data, init, out, seq_len, batch_seqs, anchors, lr, seed, ran
     _init_distributed()
     adapter, sequences, draft = _load(target, random_weights, data, init)
     train_teacher(adapter, sequences, draft, out, TrainSettings(steps=steps, lr=lr),
-                  _batches(seq_len, batch_seqs, anchors, seed), window, progress=not quiet)
+                  _batches(seq_len, batch_seqs, anchors, seed, anchor_region), window, progress=not quiet)
     click.echo(f"teacher -> {out}")
 
 
@@ -219,8 +223,8 @@ def teacher(target, data, init, out, seq_len, batch_seqs, anchors, lr, seed, ran
 @click.option("--stage2-steps", default=1000, show_default=True, type=click.IntRange(min=1),
               help="Stage 2 steps: CE + TV against the target.")
 @click.option("--single-stage", is_flag=True, help="Skip stage 1 (the ablation): stage 2 for both budgets.")
-def student(target, data, init, out, seq_len, batch_seqs, anchors, lr, seed, random_weights, quiet, teacher_dir,
-            stage1_steps, stage2_steps, single_stage) -> None:
+def student(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region, lr, seed, random_weights, quiet,
+            teacher_dir, stage1_steps, stage2_steps, single_stage) -> None:
     """Train the student: stage 1 (KL to the teacher), stage 2 (CE + TV against the target)."""
     from dlite_trt.training.pipeline import StudentPlan, load_teacher, train_student
 
@@ -233,6 +237,39 @@ def student(target, data, init, out, seq_len, batch_seqs, anchors, lr, seed, ran
             raise click.UsageError("two-stage training needs --teacher DIR (or pass --single-stage)")
         plan = StudentPlan(stage1_steps=stage1_steps, stage2_steps=stage2_steps, lr=lr)
     mentor = load_teacher(teacher_dir) if plan.stage1_steps else None
-    train_student(adapter, sequences, draft, out, plan, _batches(seq_len, batch_seqs, anchors, seed), mentor,
-                  progress=not quiet)
+    train_student(adapter, sequences, draft, out, plan, _batches(seq_len, batch_seqs, anchors, seed, anchor_region),
+                  mentor, progress=not quiet)
     click.echo(f"dlite_v1 draft -> {out}")
+
+
+@command.command("inform")
+@click.option("--target", required=True, help="Model directory, .gguf file or preset name.")
+@click.option("--data", "data", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="A state cache: the directory `dlite-trt train data --states-for INIT` wrote.")
+@click.option("--init", "init", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="The dlite_v1 checkpoint from `dlite-trt train init`.")
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Where the informed dlite_v1 checkpoint goes (a new directory); train from it with --init.")
+@click.option("--sequences", default=200, show_default=True, type=click.IntRange(min=1),
+              help="Cached sequences whose states the initialisation is computed from.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Which sequences.")
+@click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
+def inform(target: str, data: Path, init: Path, out: Path, sequences: int, seed: int, random_weights: bool) -> None:
+    """A target-informed initialisation of INIT from the target and its cached states (centred
+    context slots, the head's output side a whitened rank-r factorisation of the LM head, its
+    token embedding from the LM head's principal directions, the target's final norm)."""
+    from dlite_trt.checkpoint import save_draft
+    from dlite_trt.errors import CheckpointError
+    from dlite_trt.training.informed_init import informed_init, sample_states
+    from dlite_trt.training.state_cache import META
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--out {out} exists and is not empty; pass a new directory.")
+    if not (data / META).is_file():
+        raise click.UsageError(f"{data} is not a state cache (no {META}); write one with `dlite-trt train data "
+                               "--states-for INIT`.")
+    adapter, cache, draft = _load(target, random_weights, data, init)
+    informed_init(draft, adapter.lm_head.weight, adapter.model.norm.weight, None,
+                  sample_states(cache, sequences, seed=seed))
+    save_draft(draft, out)
+    click.echo(f"informed dlite_v1 draft -> {out}")

@@ -7,7 +7,9 @@ logits. An example is one draft block anchored at position a (1 <= a <= L-2):
 - for k = 1..K: the target's distribution for d_k, softmax(logits[a + k - 1]) (what the
   verifier compares d_k against), its greedy token (the CE label), the sequence's own token
   t_{a+k} (base CE label, and the head's teacher-forced input for step k+1);
-- valid[k] = a + k < L (a block near the end is cut, not dropped).
+- valid[k] = a + k < L (a block near the end is cut, not dropped);
+- the target's last selected layer (N-1: its final, normed state) at a + k - 1, the state its
+  own LM head reads d_k's distribution from (an optional regression target for draft_hidden).
 This mirrors the decoding loop: at inference the pivot is the verify pass's state one position
 before the anchor, and d_k is accepted iff it equals the target's argmax after d_{k-1}.
 """
@@ -45,6 +47,7 @@ class DraftExamples(NamedTuple):
     target_ids: torch.Tensor  # [N, K, k] int64 the target's top-k tokens for d_k (most likely first)
     target_probs: torch.Tensor  # [N, K, k] float32 their probabilities
     valid: torch.Tensor  # [N, K] bool
+    target_final: torch.Tensor | None = None  # [N, K, H] the target's last selected layer where d_k is predicted
     window_states: torch.Tensor | None = None  # [N, W, 3, H] teacher only: layers at a-2, a-3, ..., a-1-W
     window_valid: torch.Tensor | None = None  # [N, W] bool (positions >= 0)
 
@@ -108,4 +111,5 @@ def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, target: torch.Ten
         target_ids=block_ids,
         target_probs=block_probs,
         valid=valid,
+        target_final=hidden[rows[:, None], safe][:, :, -1],
     )

@@ -20,15 +20,17 @@ from dlite_trt.errors import ConfigError
 
 @dataclass(frozen=True)
 class LossWeights:
-    """The teacher / stage-2 objective: ce * CE(labels) + tv * TV(draft, target) + base_ce * CE(data)."""
+    """The teacher / stage-2 objective: ce * CE(labels) + tv * TV(draft, target) + base_ce * CE(data)
+    (+ state * the draft_hidden regression, ``state_regression``; off in DLite's recipe)."""
 
     ce: float = 0.1
     tv: float = 1.0
     base_ce: float = 0.01  # "small base CE" on the sequence's own next tokens
     gamma: float = 4.0  # position weights exp(-k / gamma)
+    state: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("ce", "tv", "base_ce"):
+        for name in ("ce", "tv", "base_ce", "state"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"loss weight {name} must be >= 0, got {getattr(self, name)}")
         if not self.gamma > 0:
@@ -91,6 +93,16 @@ def target_matching_loss(draft_logits: torch.Tensor, target_ids: torch.Tensor, t
     }
     terms["loss"] = weights.ce * terms["ce"] + weights.tv * terms["tv"] + weights.base_ce * terms["base_ce"]
     return terms
+
+
+def state_regression(draft_hidden: torch.Tensor, target_final: torch.Tensor, valid: torch.Tensor,
+                     gamma: float = LossWeights.gamma) -> torch.Tensor:
+    """The draft's hidden state [N, K, H] against the target's final state where d_k is predicted
+    (EAGLE's feature regression): the squared error relative to the target state's mean square,
+    position-weighted. A dense signal beside the distribution's, read through the same head."""
+    target = target_final.float()
+    error = (draft_hidden.float() - target).pow(2).mean(-1) / target.pow(2).mean(-1).clamp_min(1e-6)
+    return _weighted_mean(error, valid, gamma)
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor,

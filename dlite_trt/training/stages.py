@@ -13,8 +13,14 @@ import torch
 
 from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.training.examples import DraftExamples
-from dlite_trt.training.losses import DEFAULT_WEIGHTS, LossWeights, distillation_loss, target_matching_loss
-from dlite_trt.training.teacher import HistoryAwareTeacher, student_logits
+from dlite_trt.training.losses import (
+    DEFAULT_WEIGHTS,
+    LossWeights,
+    distillation_loss,
+    state_regression,
+    target_matching_loss,
+)
+from dlite_trt.training.teacher import HistoryAwareTeacher, student_forward, student_logits
 
 
 def adopt_teacher_head(student: DLiteDraft, teacher: HistoryAwareTeacher) -> None:
@@ -45,6 +51,10 @@ def stage1_loss(student: DLiteDraft, teacher: HistoryAwareTeacher, ex: DraftExam
 
 def stage2_loss(student: DLiteDraft, ex: DraftExamples, embed_weight: torch.Tensor,
                 weights: LossWeights = DEFAULT_WEIGHTS) -> dict[str, torch.Tensor]:
-    out = student_logits(student, ex, embed_weight)
-    return target_matching_loss(out.logits, ex.target_ids, ex.target_probs, ex.labels, ex.teacher_tokens, ex.valid,
-                                weights)
+    hidden, out = student_forward(student, ex, embed_weight)
+    terms = target_matching_loss(out.logits, ex.target_ids, ex.target_probs, ex.labels, ex.teacher_tokens, ex.valid,
+                                 weights)
+    if weights.state:
+        terms["state"] = state_regression(hidden, ex.target_final, ex.valid, weights.gamma)
+        terms["loss"] = terms["loss"] + weights.state * terms["state"]
+    return terms

@@ -10,16 +10,16 @@ memory-mapped windows). The files, in the output directory:
 - ``sequences.jsonl``: one ``{"prompt_ids", "answer_ids"}`` line per sequence, in order;
 - ``hidden.bin`` [T, S, H] fp16, ``top_ids.bin`` [T, k] int32, ``top_probs.bin`` [T, k] fp16:
   the positions of all sequences back to back (T = total tokens);
-- ``states.json``: layer ids, S, H, k, vocabulary and the target's name; ``prompts.sha256``:
-  which prompts these are.
+- ``states.json``: layer ids, S, H, k, vocabulary and the target's name.
 
 The job is resumable: each batch is appended, then its lines; a run that was killed is cut
-back to its last complete batch and goes on from there.
+back to its last complete batch and goes on from there. It also grows: a rerun whose prompt
+list starts with the cached prompts (in order) answers only the new ones after them; any other
+prompt list is refused.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +36,6 @@ from dlite_trt.training.data import TrainingSequence, read_sequences
 
 SEQUENCES = "sequences.jsonl"
 META = "states.json"
-PROMPTS_DIGEST = "prompts.sha256"  # the prompts answered, so that a rerun resumes only the same job
 ARRAYS = {"hidden": np.float16, "top_ids": np.int32, "top_probs": np.float16}  # name -> dtype of name.bin
 
 
@@ -119,8 +118,8 @@ def _answer_batch(target: TargetAdapter, prompts: Sequence[Sequence[int]], max_n
     return result
 
 
-def _completed(directory: Path, layout: StateLayout) -> int:
-    """Sequences already written; cuts the files back to the last complete batch."""
+def _completed(directory: Path, layout: StateLayout) -> list[list[int]]:
+    """The prompts already answered, in order; cuts the files back to the last complete batch."""
     meta = directory / META
     if meta.is_file():
         if StateLayout.read(directory) != layout:
@@ -132,7 +131,8 @@ def _completed(directory: Path, layout: StateLayout) -> int:
     lines_path = directory / SEQUENCES
     lines = lines_path.read_text().splitlines(keepends=True) if lines_path.is_file() else []
     complete = [line for line in lines if line.endswith("\n")]
-    tokens = sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in map(json.loads, complete))
+    records = [json.loads(line) for line in complete]
+    tokens = sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records)
     lines_path.write_text("".join(complete))
     for name in ARRAYS:
         path = directory / f"{name}.bin"
@@ -142,7 +142,7 @@ def _completed(directory: Path, layout: StateLayout) -> int:
                               "and rerun.")
         with open(path, "r+b") as f:
             f.truncate(tokens * layout.row_bytes(name))
-    return len(complete)
+    return [r["prompt_ids"] for r in records]
 
 
 def write_state_cache(target: TargetAdapter, prompts: Sequence[Sequence[int]], out: Path, *, layer_ids: tuple[int, ...],
@@ -151,19 +151,18 @@ def write_state_cache(target: TargetAdapter, prompts: Sequence[Sequence[int]], o
     """Answer ``prompts`` (greedy) and cache their states in ``out``; returns the sequence count.
 
     ``target`` must be an adapter over ``layer_ids``. ``log(done, total, tokens_per_s)`` after
-    each batch. Prompts are answered in order, so a rerun with the same prompts resumes."""
+    each batch. Prompts are answered in order, so a rerun with the same prompts resumes, and one with
+    more prompts after the same ones grows the cache."""
     if tuple(target.layer_ids) != tuple(layer_ids):
         raise ConfigError(f"the target adapter reads layers {target.layer_ids}, the cache wants {layer_ids}")
     if not 1 <= top_k <= target.spec.vocab_size:
         raise ConfigError(f"top_k must be in [1, {target.spec.vocab_size}], got {top_k}")
     layout = StateLayout(tuple(layer_ids), target.spec.hidden_size, top_k, target.spec.vocab_size, target_name)
-    done = _completed(Path(out), layout)
-    digest = hashlib.sha256(json.dumps([list(p) for p in prompts]).encode()).hexdigest()
-    recorded = Path(out) / PROMPTS_DIGEST
-    if recorded.is_file() and recorded.read_text().strip() != digest:
-        raise ConfigError(f"{out} caches the answers to other prompts; use a new --out directory (or the same "
-                          "prompts to resume).")
-    recorded.write_text(digest + "\n")
+    cached = _completed(Path(out), layout)
+    done = len(cached)
+    if [list(p) for p in prompts[:done]] != cached:
+        raise ConfigError(f"{out} caches the answers to other prompts ({done} cached; to resume or grow the cache "
+                          "the prompt list must start with them, in order); use a new --out directory.")
     started, tokens = time.perf_counter(), 0
     stops = frozenset(stop_token_ids)
     for start in range(done, len(prompts), batch_size):

@@ -55,9 +55,16 @@ class HistoryAwareTeacher(nn.Module):
                           teacher_tokens=ex.teacher_tokens)
 
 
-def student_logits(student: DLiteDraft, ex: DraftExamples, embed_weight: torch.Tensor) -> HeadOutput:
-    """The student's teacher-forced block logits (no window: what it will see at inference)."""
+def student_forward(student: DLiteDraft, ex: DraftExamples,
+                    embed_weight: torch.Tensor) -> tuple[torch.Tensor, HeadOutput]:
+    """The student's draft_hidden [N, K, H] and teacher-forced block logits (no window: what it
+    will see at inference)."""
     hidden = student.backbone(ex.chs, ex.group, ex.group_len, embed_weight)
     seed = ex.group[:, -2] if student.cfg.anchor_group_size > 1 else None
-    return recurrence(student.sequential_head.weights(), hidden, ex.group[:, -1], seed,
-                      teacher_tokens=ex.teacher_tokens)
+    return hidden, recurrence(student.sequential_head.weights(), hidden, ex.group[:, -1], seed,
+                              teacher_tokens=ex.teacher_tokens)
+
+
+def student_logits(student: DLiteDraft, ex: DraftExamples, embed_weight: torch.Tensor) -> HeadOutput:
+    """The student's teacher-forced block logits."""
+    return student_forward(student, ex, embed_weight)[1]
