@@ -88,10 +88,13 @@ def test_more_prompts_after_the_cached_ones_grow_the_cache(setup, tmp_path):
     _write(adapter, cfg, prompts, grown)  # the first two are cached: only the last three are answered
     for name in [*(f"{a}.bin" for a in ARRAYS), SEQUENCES]:
         assert (grown / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    _write(adapter, cfg, prompts[:4], grown)  # the first of the cached prompts: answered already
+    for name in [*(f"{a}.bin" for a in ARRAYS), SEQUENCES]:
+        assert (grown / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     with pytest.raises(ConfigError, match="5 cached"):
-        _write(adapter, cfg, prompts[:4], grown)  # fewer prompts than cached: not these answers
-    with pytest.raises(ConfigError, match="must start"):
         _write(adapter, cfg, [prompts[1], *prompts], grown)
+    with pytest.raises(ConfigError, match="must start"):
+        _write(adapter, cfg, prompts[:3] + prompts[4:], grown)
 
 
 def test_another_layout_is_refused(setup, tmp_path):

@@ -14,8 +14,9 @@ memory-mapped windows). The files, in the output directory:
 
 The job is resumable: each batch is appended, then its lines; a run that was killed is cut
 back to its last complete batch and goes on from there. It also grows: a rerun whose prompt
-list starts with the cached prompts (in order) answers only the new ones after them; any other
-prompt list is refused.
+list starts with the cached prompts (in order) answers only the new ones after them (and one
+whose prompts are the first of the cached ones has nothing to do); any other prompt list is
+refused.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ def write_state_cache(target: TargetAdapter, prompts: Sequence[Sequence[int]], o
     layout = StateLayout(tuple(layer_ids), target.spec.hidden_size, top_k, target.spec.vocab_size, target_name)
     cached = _completed(Path(out), layout)
     done = len(cached)
-    if [list(p) for p in prompts[:done]] != cached:
+    common = min(done, len(prompts))  # answered already: these must be the same prompts, in order
+    if [list(p) for p in prompts[:common]] != cached[:common]:
         raise ConfigError(f"{out} caches the answers to other prompts ({done} cached; to resume or grow the cache "
                           "the prompt list must start with them, in order); use a new --out directory.")
     started, tokens = time.perf_counter(), 0
