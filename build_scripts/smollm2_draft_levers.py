@@ -122,7 +122,12 @@ def main(names: tuple[str, ...], work: Path, out: Path, steps: int, snapshots: i
     cache = StateCache(work / "data", cfg.target_layer_ids, target.spec.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
 
+    if snapshots > steps:
+        raise click.UsageError(f"--snapshots {snapshots} is more than --steps {steps}")
     held = out / "held_out.json"
+    if held.is_file() and len(json.loads(held.read_text())["prompts"]) != min(files, len(stdlib_files("held_out"))):
+        raise click.UsageError(f"{held} holds another number of held-out files than --files {files}; use another "
+                               "--out")
     if not held.is_file():
         tok = target.tokenizer
         prompts = [tok.encode(p.read_text(errors="replace"), add_special_tokens=False)[:256]
@@ -143,6 +148,9 @@ def main(names: tuple[str, ...], work: Path, out: Path, steps: int, snapshots: i
         path = out / f"{name}.json"
         if path.is_file():
             results[name] = json.loads(path.read_text())
+            if name in TRAINED and results[name]["steps"] != steps:
+                raise click.UsageError(f"{path} was trained for {results[name]['steps']} steps, not --steps {steps}; "
+                                       "use another --out")
             continue
         started = time.perf_counter()
         if name == "head-only":
@@ -155,14 +163,18 @@ def main(names: tuple[str, ...], work: Path, out: Path, steps: int, snapshots: i
             kinds = {tuple(p): kind for kind, p in first + more}
             draft = load_draft(init_dir, target=target.spec).float()
             result = {"run": MEMORISED}
-            for snap in sorted((out / f"{MEMORISED}-runs" / "stage2-run").glob("snapshot-*.safetensors"),
-                               key=lambda p: int(p.stem[9:])):
+            snaps = list((out / f"{MEMORISED}-runs" / "stage2-run").glob("snapshot-*.safetensors"))
+            if not snaps:
+                raise click.UsageError(f"no snapshots of {MEMORISED} in {out}: train it first with --snapshots N")
+            for snap in sorted(snaps, key=lambda p: int(p.stem[9:])):
                 draft.load_state_dict(load_file(str(snap)), strict=True)
                 step = snap.stem[9:]
                 result[f"held_out_{step}"] = evaluate(draft)["teacher_forced_acceptance_length"]
                 for kind in ("file", "chat"):
                     seen = [s for s in cache.sequences if kinds.get(tuple(s.prompt_ids)) == kind
                             and len(s.answer_ids) >= 64][:16]
+                    if not seen:
+                        raise click.UsageError(f"{work}'s cache has no {kind} answers of the full budget's prompts")
                     got = agreement(target, draft.eval(), [list(s.prompt_ids) for s in seen],
                                     [list(s.answer_ids) for s in seen])
                     result[f"{kind}_{step}"] = {"sequences": len(seen),
@@ -188,7 +200,8 @@ def main(names: tuple[str, ...], work: Path, out: Path, steps: int, snapshots: i
             everything = cache.sequences
             cache.sequences = everything[: max(1, int(len(everything) * share))]  # the first share: prompts are shuffled
             try:
-                train_student(adapter, cache, draft, out / name, StudentPlan(0, steps, lr=lr, snapshot_every=steps // snapshots if snapshots else 0),
+                every = steps // snapshots if snapshots else 0
+                train_student(adapter, cache, draft, out / name, StudentPlan(0, steps, lr=lr, snapshot_every=every),
                               BatchSettings(seq_len=256, batch_seqs=8, anchors=16, seed=seed, anchor_region=region),
                               weights=weights, runs=out / f"{name}-runs",
                               progress=False)

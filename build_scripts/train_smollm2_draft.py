@@ -51,6 +51,7 @@ DRAFT_SHAPE = {"num_hidden_layers": 2, "chs_num_layers": 5, "block_size": 8, "an
 OTHER_PACKAGE = "click"  # code from outside the standard library, never trained on
 ANCHOR_REGION = "answer"  # blocks drafting the target's own answers (docs/training.md, levers)
 DATA_BATCH = 16  # prompts answered together
+LR = 1e-3  # peak (cosine to a tenth)
 LOSS = LossWeights()
 
 
@@ -141,7 +142,10 @@ def agreement(target, draft, prompts: list[list[int]], outputs: list[list[int]])
                 for k in range(1, hit.shape[1] + 1)}}
 
 
-def training_prompts(tokenizer, budget: dict, seed: int) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
+Prompts = list[tuple[str, list[int]]]  # (kind, token ids)
+
+
+def training_prompts(tokenizer, budget: dict, seed: int) -> tuple[Prompts, Prompts]:
     """The two prompt sets answered for the data, [(kind, ids)] each: the first, and the second
     the cache grows by (the first ``more_take`` of another draw: other cuts, other functions' prompts;
     exact repeats of the first dropped)."""
@@ -214,6 +218,20 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     def say(text: str) -> None:
         click.echo(f"[{time.strftime('%H:%M:%S')}] {text}", err=True)
 
+    # what every stage's output depends on: a --work made with other settings is refused, not reused
+    recipe = {"budget": budget, "settings": {k: v for k, v in b.items() if k != "measure"}, "draft_shape": DRAFT_SHAPE,
+              "lr": LR, "informed_init": list(DEFAULT_PARTS), "anchor_region": ANCHOR_REGION,
+              "loss_weights": asdict(LOSS), "seed": seed}
+    recorded = work / "recipe.json"
+    if recorded.is_file() and json.loads(recorded.read_text()) != json.loads(json.dumps(recipe)):
+        raise click.ClickException(f"{work} holds a run with other settings ({recorded}); pass a new --work "
+                                   "(or delete it to start over).")
+    if not recorded.is_file():
+        if any((work / part).exists() for part in ("teacher", "two-stage", "single-stage", "informed-init")):
+            raise click.ClickException(f"{work} holds training runs of an earlier recipe (no recipe.json); pass a "
+                                       "new --work (its data/ can be copied there: the cache grows).")
+        work.mkdir(parents=True, exist_ok=True)
+        recorded.write_text(json.dumps(recipe, indent=2) + "\n")
     target = Target()
     init_dir = work / "init"
     if not (init_dir / "config.json").is_file():
@@ -224,7 +242,8 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
 
     first, more = training_prompts(target.tokenizer, b, seed)
     prompts = first + more
-    def kinds_of(part: list[tuple[str, list[int]]]) -> dict[str, int]:
+
+    def kinds_of(part: Prompts) -> dict[str, int]:
         return {k: sum(1 for kind, _ in part if kind == k) for k in ("file", "docstring", "chat")}
 
     kinds = kinds_of(prompts)
@@ -247,7 +266,7 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
         (work / "informed-init.tmp").replace(informed_dir)
     batches = BatchSettings(seq_len=b["seq_len"], batch_seqs=b["batch_seqs"], anchors=b["anchors"], seed=seed,
                             anchor_region=ANCHOR_REGION)
-    lr = 1e-3
+    lr = LR
     init = load_draft(informed_dir, target=target.spec).float()
     if (work / "teacher" / "teacher.safetensors").is_file():
         teacher = load_teacher(work / "teacher")
@@ -311,10 +330,11 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     long_enough = min(64, b["answer_tokens"] // 2)
     seen = [s for s in cache.sequences
             if tuple(s.prompt_ids) in file_kind and len(s.answer_ids) >= long_enough][: m["files"]]
-    for name, path in drafts.items() if seen else ():
-        report["agreement"][name]["training_file_answers"] = agreement(
-            target, load_draft(path, target=target.spec).float(), [list(s.prompt_ids) for s in seen],
-            [list(s.answer_ids) for s in seen])
+    if seen:
+        for name, path in drafts.items():
+            report["agreement"][name]["training_file_answers"] = agreement(
+                target, load_draft(path, target=target.spec).float(), [list(s.prompt_ids) for s in seen],
+                [list(s.answer_ids) for s in seen])
     # the training-steps curve: held-out files' acceptance length at the two-stage student's
     # stage-2 snapshots (the last one is the final draft, measured above)
     curve = {f"stage2_step_{b['stage2']}": report["two_stage"]["held_out_stdlib_files"]["mean_acceptance_length"]}
@@ -327,14 +347,14 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     report["steps_curve"] = dict(sorted(curve.items(), key=lambda item: int(item[0].rsplit("_", 1)[1])))
     lap("diagnosis")
 
+    # chosen on the held-out files, so the bundled draft's figure there is the better of two
+    # measured; the chat and other-package sets play no part in the choice
     bundled = max(drafts, key=lambda name: report[name]["held_out_stdlib_files"]["mean_acceptance_length"])
     out.mkdir(parents=True, exist_ok=True)
     save_draft(load_draft(drafts[bundled], target=target.spec).half(), out)
     data_tokens = {"sequences": len(cache.sequences), "prompt_tokens": sum(len(s.prompt_ids) for s in cache.sequences),
                    "answer_tokens": sum(len(s.answer_ids) for s in cache.sequences), "prompt_kinds": kinds}
-    report |= {"budget": budget, "settings": {k: v for k, v in b.items() if k != "measure"}, "measure": m,
-               "draft_shape": DRAFT_SHAPE, "lr": lr, "informed_init": list(DEFAULT_PARTS),
-               "anchor_region": ANCHOR_REGION, "loss_weights": asdict(LOSS), "bundled": bundled, "data": data_tokens, "seed": seed, "seconds": seconds,
+    report |= {**recipe, "measure": m, "bundled": bundled, "data": data_tokens, "seconds": seconds,
                "total_seconds": round(sum(seconds.values()), 1), "command": " ".join(["python", *sys.argv])}
     (out / "acceptance.json").write_text(json.dumps(report, indent=2) + "\n")
     click.echo(json.dumps(report))

@@ -159,7 +159,15 @@ def test_the_draft_training_script_runs_end_to_end(tmp_path, gguf_path):
     # both prompt sets answered: the cache grew by the second one
     assert report["data"]["sequences"] == sum(report["data"]["prompt_kinds"].values())
     assert report["data"]["sequences"] > sum(report["settings"]["prompts"].values())
-    assert report["bundled"] in ("two_stage", "single_stage")
+    held = {name: report[name]["held_out_stdlib_files"]["mean_acceptance_length"]
+            for name in ("two_stage", "single_stage")}
+    assert held[report["bundled"]] == max(held.values())  # the better one on held-out files is bundled
+    for variant in ("two_stage", "single_stage"):  # memorisation measured beside the held-out figures
+        assert report["agreement"][variant]["training_file_answers"]["blocks"] > 0
+    again = subprocess.run([sys.executable, str(root / "build_scripts" / "train_smollm2_draft.py"), "--budget", "smoke",
+                            "--work", str(tmp_path / "work"), "--out", str(tmp_path / "other"), "--until", "data",
+                            "--seed", "1"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and "other settings" in again.stderr  # a --work of other settings is refused
     from dlite_trt.checkpoint import load_draft
 
     assert next(load_draft(out, dtype=None).parameters()).dtype == torch.float16

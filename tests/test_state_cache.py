@@ -80,15 +80,27 @@ def test_a_killed_run_resumes_to_the_same_files(setup, tmp_path):
         assert (killed / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
 
 
-def test_more_prompts_after_the_cached_ones_grow_the_cache(setup, tmp_path):
+def test_more_prompts_after_the_cached_ones_grow_the_cache(setup, tmp_path, monkeypatch):
+    from dlite_trt.training import state_cache
+
     _, cfg, adapter, prompts = setup
     _write(adapter, cfg, prompts, tmp_path / "whole")
+    answered = []
+    real = state_cache._answer_batch
+
+    def counting(target, batch, *args):
+        answered.extend(batch)
+        return real(target, batch, *args)
+
+    monkeypatch.setattr(state_cache, "_answer_batch", counting)
     grown = tmp_path / "grown"
-    _write(adapter, cfg, prompts[:2], grown)
-    _write(adapter, cfg, prompts, grown)  # the first two are cached: only the last three are answered
+    assert _write(adapter, cfg, prompts[:2], grown) == 2
+    assert _write(adapter, cfg, prompts, grown) == 5
+    assert answered == prompts  # each answered once: the rerun answered only the last three
     for name in [*(f"{a}.bin" for a in ARRAYS), SEQUENCES]:
         assert (grown / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
-    _write(adapter, cfg, prompts[:4], grown)  # the first of the cached prompts: answered already
+    assert _write(adapter, cfg, prompts[:4], grown) == 5  # the first of the cached prompts: nothing to do
+    assert answered == prompts
     for name in [*(f"{a}.bin" for a in ARRAYS), SEQUENCES]:
         assert (grown / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     with pytest.raises(ConfigError, match="5 cached"):

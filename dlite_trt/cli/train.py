@@ -181,11 +181,11 @@ def data(target: str, prompts: Path, out: Path, max_prompt_tokens: int, max_new_
         check_draft_fits_target(cfg, source.spec)
         layers = cfg.target_layer_ids
         adapter = TargetAdapter(hf, source.spec, layers).eval()
-        write_state_cache(adapter, ids, out, layer_ids=layers, max_new_tokens=max_new_tokens, stop_token_ids=stops,
-                          top_k=top_k, batch_size=batch_size, target_name=source.name,
-                          log=lambda done, total, rate: click.echo(f"{done}/{total} prompts, {rate:.0f} answer "
-                                                                   "tokens/s", err=True))
-        click.echo(f"{len(ids)} sequences with the target's states for layers {list(layers)} -> {out}")
+        cached = write_state_cache(adapter, ids, out, layer_ids=layers, max_new_tokens=max_new_tokens,
+                                   stop_token_ids=stops, top_k=top_k, batch_size=batch_size, target_name=source.name,
+                                   log=lambda done, total, rate: click.echo(f"{done}/{total} prompts, {rate:.0f} "
+                                                                            "answer tokens/s", err=True))
+        click.echo(f"{cached} sequences with the target's states for layers {list(layers)} -> {out}")
         return
     adapter = TargetAdapter(hf, source.spec, (source.spec.num_hidden_layers - 1,))
     generator = SpeculativeGenerator.target_only(adapter)
@@ -252,7 +252,7 @@ def student(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region
               help="Where the informed dlite_v1 checkpoint goes (a new directory); train from it with --init.")
 @click.option("--sequences", default=200, show_default=True, type=click.IntRange(min=1),
               help="Cached sequences whose states the initialisation is computed from.")
-@click.option("--seed", default=0, show_default=True, type=SEED, help="Which sequences.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Which sequences.")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
 def inform(target: str, data: Path, init: Path, out: Path, sequences: int, seed: int, random_weights: bool) -> None:
     """A target-informed initialisation of INIT from the target and its cached states (centred

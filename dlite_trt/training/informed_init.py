@@ -72,6 +72,10 @@ def informed_init(draft: DLiteDraft, lm_head: torch.Tensor, final_norm: torch.Te
         raise ConfigError(f"states must be [N, {cfg.chs_num_layers}, {cfg.hidden_size}] (the draft's selected "
                           f"layers), got {tuple(states.shape)}")
     rank, lm_head = cfg.sequential_rank, lm_head.detach().float()
+    if {"head", "prev_embedding"} & set(parts) and rank > min(cfg.hidden_size, cfg.vocab_size):
+        raise ConfigError(f"the head's rank r = {rank} exceeds the target's hidden size {cfg.hidden_size} (or "
+                          "vocabulary): the LM head has no more directions to initialise it from; leave out the "
+                          "'head' and 'prev_embedding' parts, or use r <= H")
     if "center" in parts:
         for slot, layer in enumerate(cfg.target_layer_ids):
             sd["layer_depth_embedding.weight"][layer] = -states[:, slot].mean(0)
@@ -92,7 +96,12 @@ def informed_init(draft: DLiteDraft, lm_head: torch.Tensor, final_norm: torch.Te
         if target_layers is None:
             raise ConfigError("the 'layers' part needs the target's decoder layers")
         for i, layer in enumerate(target_layers[-cfg.num_hidden_layers:]):
-            for name, weight in layer.state_dict().items():
-                if f"layers.{i}.{name}" in sd and sd[f"layers.{i}.{name}"].shape == weight.shape:
-                    sd[f"layers.{i}.{name}"] = weight.detach().float().clone()
+            theirs = layer.state_dict()
+            mine = [key for key in sd if key.startswith(f"layers.{i}.")]
+            for key in mine:
+                name = key.removeprefix(f"layers.{i}.")
+                if name not in theirs or theirs[name].shape != sd[key].shape:
+                    raise ConfigError(f"cannot copy the target's layer into draft layer {i}: {name} "
+                                      f"{'is missing' if name not in theirs else 'has another shape'} there")
+                sd[key] = theirs[name].detach().float().clone()
     draft.load_state_dict(sd, strict=True)

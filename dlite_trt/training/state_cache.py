@@ -149,7 +149,10 @@ def _completed(directory: Path, layout: StateLayout) -> list[list[int]]:
 def write_state_cache(target: TargetAdapter, prompts: Sequence[Sequence[int]], out: Path, *, layer_ids: tuple[int, ...],
                       max_new_tokens: int, stop_token_ids: Sequence[int], top_k: int = 32, batch_size: int = 16,
                       target_name: str = "", log: Callable[[int, int, float], None] | None = None) -> int:
-    """Answer ``prompts`` (greedy) and cache their states in ``out``; returns the sequence count.
+    """Answer ``prompts`` (greedy) and cache their states in ``out``; returns the sequences cached.
+
+    The answers' settings (``max_new_tokens``, stops) are the caller's to keep: a rerun that
+    resumes or grows the cache with others mixes answers of both.
 
     ``target`` must be an adapter over ``layer_ids``. ``log(done, total, tokens_per_s)`` after
     each batch. Prompts are answered in order, so a rerun with the same prompts resumes, and one with
@@ -180,7 +183,7 @@ def write_state_cache(target: TargetAdapter, prompts: Sequence[Sequence[int]], o
         tokens += sum(len(a) for a, _ in answered)
         if log is not None:
             log(min(start + batch_size, len(prompts)), len(prompts), tokens / (time.perf_counter() - started))
-    return len(prompts)
+    return max(done, len(prompts))
 
 
 class StateCache:
