@@ -55,6 +55,7 @@ from train_smollm2_draft import (  # noqa: E402  (the same target, prompts and m
     BUDGETS,
     Target,
     agreement,
+    training_answers,
     training_prompts,
 )
 
@@ -160,7 +161,6 @@ def main(names: tuple[str, ...], work: Path, out: Path, steps: int, snapshots: i
             result = {"draft": str(bundled), "trained": evaluate(draft)}
         elif name == "memorisation":
             first, more = training_prompts(target.tokenizer, BUDGETS["full"], 0)
-            kinds = {tuple(p): kind for kind, p in first + more}
             draft = load_draft(init_dir, target=target.spec).float()
             result = {"run": MEMORISED}
             snaps = list((out / f"{MEMORISED}-runs" / "stage2-run").glob("snapshot-*.safetensors"))
@@ -171,13 +171,11 @@ def main(names: tuple[str, ...], work: Path, out: Path, steps: int, snapshots: i
                 step = snap.stem[9:]
                 result[f"held_out_{step}"] = evaluate(draft)["teacher_forced_acceptance_length"]
                 for kind in ("file", "chat"):
-                    seen = [s for s in cache.sequences if kinds.get(tuple(s.prompt_ids)) == kind
-                            and len(s.answer_ids) >= 64][:16]
-                    if not seen:
+                    seen_prompts, seen_answers = training_answers(cache, first + more, kind, 64, 16)
+                    if not seen_prompts:
                         raise click.UsageError(f"{work}'s cache has no {kind} answers of the full budget's prompts")
-                    got = agreement(target, draft.eval(), [list(s.prompt_ids) for s in seen],
-                                    [list(s.answer_ids) for s in seen])
-                    result[f"{kind}_{step}"] = {"sequences": len(seen),
+                    got = agreement(target, draft.eval(), seen_prompts, seen_answers)
+                    result[f"{kind}_{step}"] = {"sequences": len(seen_prompts),
                                                 "tf_al": got["teacher_forced_acceptance_length"],
                                                 "per_position": got["per_position_agreement"]}
         elif name == "head-rank":

@@ -162,6 +162,14 @@ def training_prompts(tokenizer, budget: dict, seed: int) -> tuple[Prompts, Promp
     return first, more[: budget["more_take"]]
 
 
+def training_answers(cache, prompts: Prompts, kind: str, min_answer: int, limit: int) -> tuple[list, list]:
+    """(prompts, answers) of the first ``limit`` cached sequences whose prompt is of ``kind`` with an
+    answer of at least ``min_answer`` tokens: answers a draft was trained on (memorisation)."""
+    of_kind = {tuple(p) for k, p in prompts if k == kind}
+    seen = [s for s in cache.sequences if tuple(s.prompt_ids) in of_kind and len(s.answer_ids) >= min_answer][:limit]
+    return [list(s.prompt_ids) for s in seen], [list(s.answer_ids) for s in seen]
+
+
 class Target:
     """The SmolLM2 target, loaded once: HF model, spec, tokenizer, stop tokens."""
 
@@ -266,12 +274,11 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
         (work / "informed-init.tmp").replace(informed_dir)
     batches = BatchSettings(seq_len=b["seq_len"], batch_seqs=b["batch_seqs"], anchors=b["anchors"], seed=seed,
                             anchor_region=ANCHOR_REGION)
-    lr = LR
     init = load_draft(informed_dir, target=target.spec).float()
     if (work / "teacher" / "teacher.safetensors").is_file():
         teacher = load_teacher(work / "teacher")
     else:
-        teacher = train_teacher(adapter, cache, init, work / "teacher", TrainSettings(steps=b["teacher"], lr=lr),
+        teacher = train_teacher(adapter, cache, init, work / "teacher", TrainSettings(steps=b["teacher"], lr=LR),
                                 batches, window=16, weights=LOSS)
     lap("teacher")
     if until == "teacher":
@@ -279,7 +286,7 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     two_stage = work / "two-stage"
     if not (two_stage / "model.safetensors").is_file():
         train_student(adapter, cache, load_draft(informed_dir, target=target.spec).float(), two_stage,
-                      StudentPlan(b["stage1"], b["stage2"], lr=lr, snapshot_every=max(1, b["stage2"] // 4)), batches,
+                      StudentPlan(b["stage1"], b["stage2"], lr=LR, snapshot_every=max(1, b["stage2"] // 4)), batches,
                       teacher, weights=LOSS, runs=work / "two-stage-runs")
     lap("two_stage")
     if until == "two-stage":
@@ -288,7 +295,7 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     if ablation and not (single / "model.safetensors").is_file():
         total = b["teacher"] + b["stage1"] + b["stage2"]
         train_student(adapter, cache, load_draft(informed_dir, target=target.spec).float(), single,
-                      StudentPlan(0, total, lr=lr, snapshot_every=max(1, total // 4)), batches,
+                      StudentPlan(0, total, lr=LR, snapshot_every=max(1, total // 4)), batches,
                       weights=LOSS, runs=work / "single-stage-runs")
     lap("single_stage")
 
@@ -326,15 +333,11 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
                            for name, path in drafts.items()}
     # memorisation: the same agreement on answers the drafts were trained on (file prompts of the
     # first set), against the held-out files' above
-    file_kind = {tuple(p) for kind, p in first if kind == "file"}
-    long_enough = min(64, b["answer_tokens"] // 2)
-    seen = [s for s in cache.sequences
-            if tuple(s.prompt_ids) in file_kind and len(s.answer_ids) >= long_enough][: m["files"]]
-    if seen:
+    seen_prompts, seen_answers = training_answers(cache, first, "file", min(64, b["answer_tokens"] // 2), m["files"])
+    if seen_prompts:
         for name, path in drafts.items():
             report["agreement"][name]["training_file_answers"] = agreement(
-                target, load_draft(path, target=target.spec).float(), [list(s.prompt_ids) for s in seen],
-                [list(s.answer_ids) for s in seen])
+                target, load_draft(path, target=target.spec).float(), seen_prompts, seen_answers)
     # the training-steps curve: held-out files' acceptance length at the two-stage student's
     # stage-2 snapshots (the last one is the final draft, measured above)
     curve = {f"stage2_step_{b['stage2']}": report["two_stage"]["held_out_stdlib_files"]["mean_acceptance_length"]}

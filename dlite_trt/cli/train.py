@@ -259,12 +259,11 @@ def inform(target: str, data: Path, init: Path, out: Path, sequences: int, seed:
     context slots, the head's output side a whitened rank-r factorisation of the LM head, its
     token embedding from the LM head's principal directions, the target's final norm)."""
     from dlite_trt.checkpoint import save_draft
-    from dlite_trt.errors import CheckpointError
     from dlite_trt.training.informed_init import informed_init, sample_states
+    from dlite_trt.training.init_draft import require_new_dir
     from dlite_trt.training.state_cache import META
 
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--out {out} exists and is not empty; pass a new directory.")
+    require_new_dir(out)
     if not (data / META).is_file():
         raise click.UsageError(f"{data} is not a state cache (no {META}); write one with `dlite-trt train data "
                                "--states-for INIT`.")

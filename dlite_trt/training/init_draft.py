@@ -37,15 +37,20 @@ def pick_mask_token(tokenizer: Any | None, spec: TargetSpec, stop_ids: tuple[int
                       "that is not a stop token; pass --mask-token-id with an id the prompts never use.")
 
 
+def require_new_dir(out: Path) -> None:
+    """Refuse an --out that exists and holds anything: a checkpoint is never written over another."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--out {out} exists and is not empty; pass a new directory.")
+
+
 def write_initial_draft(out: Path, spec: TargetSpec, mask_token_id: int, *, seed: int = 0,
                         **shape: Any) -> DraftConfig:
     """Write an initialised dlite_v1 draft for ``spec`` to ``out``; ``shape``: DraftConfig.for_target's
     num_hidden_layers, chs_num_layers and config overrides (block_size, sequential_rank, ...)."""
     from dlite_trt.tiny_models import write_random_draft
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--out {out} exists and is not empty; pass a new directory.")
+    require_new_dir(out)
     cfg = DraftConfig.for_target(spec, mask_token_id=mask_token_id, **shape)
     write_random_draft(out, cfg, seed=seed)
     return cfg
