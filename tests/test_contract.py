@@ -33,7 +33,9 @@ def test_graphs_and_dims_follow_the_limits(contract):
     assert graphs["prefill"].dim("chunk").max == 64
     kv = (spec.num_key_value_heads, spec.head_dim)
     assert step.profile("past_key.0") == ((1, kv[0], 1, kv[1]), (4, kv[0], 308, kv[1]), (6, kv[0], 308, kv[1]))
-    assert step.profile("block") == ((1, 8), (4, 8), (6, 8))
+    assert step.profile("block") == ((1, 2), (4, 8), (6, 8))  # a greedy step verifies 1..K drafts
+    assert step.dynamic_axes()["block"] == {0: "batch", 1: "verify"} == step.dynamic_axes()["emitted"]
+    assert graphs["step_sampling"].profile("block") == ((1, 8), (4, 8), (6, 8))  # sampling: all K
     assert step.dynamic_axes()["past_value.3"] == {0: "batch", 2: "cache"}
     # greedy graphs take no random numbers and return no draft logits; sampling ones do
     assert "temperature" not in step.input_names and "next_draft_logits" not in step.output_names

@@ -80,6 +80,9 @@ STEP_CASES = [
     ({"batch": 1, "cache": 16}, [0.0], [None]),
     ({"batch": 3, "cache": 40}, [0.0, 0.7, 0.0], [1, 0, 0]),
     ({"batch": 4, "cache": 16}, [1.3, 0.0, 0.7, 0.0], [0, None, 0, 2]),
+    # a greedy step verifying fewer than K drafts (the sampling step ignores "verify": it verifies K)
+    ({"batch": 3, "cache": 24, "verify": 2}, [0.0, 0.0, 0.7], [None, 0, 0]),
+    ({"batch": 2, "cache": 16, "verify": 4}, [0.0, 0.0], [None, 1]),
 ]
 POLYGRAPHY_SIZES = {
     "prefill": [{"batch": 1, "chunk": 4, "cache": 24}, {"batch": 4, "chunk": 9, "cache": 33}],
@@ -170,11 +173,12 @@ def _parity_feeds(engine: Engine, graph: str) -> list[tuple[dict[str, int], dict
     if _base(graph) == "step":
         cases = []
         for sizes, temps, agree in STEP_CASES:
+            sizes = {d.name: d.max for d in spec.dims} | sizes  # the greedy step verifies all K unless told
             feed = _dummy(spec, sizes, rng)
             if sampling:
                 feed["temperature"] = np.array(temps, dtype=np.float32)
-            cases.append((sizes, _agree_greedy_drafts(engine, graph, feed,
-                                                      [engine.k if a is None else min(a, engine.k) for a in agree])))
+            k = feed["block"].shape[1] - 1  # drafts this step verifies
+            cases.append((sizes, _agree_greedy_drafts(engine, graph, feed, [k if a is None else min(a, k) for a in agree])))
         return cases
     cases = []
     for i, sizes in enumerate(PARITY_SIZES[_base(graph)]):
@@ -199,10 +203,10 @@ def _greedy_rows(feed: dict[str, np.ndarray]) -> np.ndarray:
 def _agree_greedy_drafts(engine: Engine, graph: str, feed: dict[str, np.ndarray],
                          agree: list[int]) -> dict[str, np.ndarray]:
     """Set d_1..d_agree[row] of greedy rows to the target's greedy tokens (found with the eager step)."""
-    block = feed["block"].copy()  # [B, K+1]
+    block = feed["block"].copy()  # [B, k+1]
     greedy = _greedy_rows(feed)
     want = np.where(greedy, agree, 0)
-    for j in range(engine.k):
+    for j in range(block.shape[1] - 1):
         rows = want > j
         if not rows.any():
             break

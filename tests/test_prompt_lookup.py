@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
-from helpers import bigram_draft, draft_config, generator, hf_greedy, near_bigram_target, small_engine
+from helpers import bigram_draft, draft_config, generator, hf_greedy, near_bigram_target, random_draft, small_engine
 
-from dlite_trt.errors import DLiteError
+from dlite_trt.errors import DLiteError, EngineError
 from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig, PromptLookupDrafter
 from dlite_trt.runtime.session import SamplingParams
 
@@ -158,3 +158,36 @@ def test_sampling_follows_the_targets_distribution(case):
         noise = sorted(tv(torch.multinomial(exact, rows, replacement=True, generator=g)) for _ in range(200))
         got = tv(torch.tensor([out[position] for out in result.output_ids]))
         assert got < 1.2 * noise[197], (position, got, noise[197])
+
+
+@pytest.fixture(scope="module")
+def weak_draft_case(tmp_path_factory):
+    """A random draft (its proposals are almost never accepted) on the near-bigram target."""
+    hf, spec = near_bigram_target(64, seed=12)
+    draft = random_draft(draft_config(spec, block_size=8, anchor_group_size=2))
+    return hf, small_engine(tmp_path_factory.mktemp("dlite_ngram"), hf, draft)
+
+
+@pytest.mark.parametrize("verify_drafts", [2, 7])
+def test_dlite_with_lookup_is_lossless_and_uses_the_lookup(weak_draft_case, verify_drafts):
+    """DLite's step verifying n-gram proposals where the lookup matches: greedy output equals
+    target-only (batch of uneven rows, at a narrow and the full width), and the lookup's proposals
+    are what gets accepted (the random draft alone keeps almost nothing)."""
+    from dlite_trt.runtime.engine import EngineGenerator
+
+    hf, engine = weak_draft_case
+    gen = EngineGenerator(engine.runner, engine.manifest, verify_drafts)
+    prompts = [_prompts(3, (5,))[0] * 4, _prompts(4, (2,))[0], _prompts(5, (9,))[0] * 3]
+    want = [hf_greedy(hf, p, NEW) for p in prompts]
+    params = SamplingParams(max_new_tokens=NEW)
+    alone = gen.generate(prompts, params)
+    session = gen.session(prompts)
+    drafter = PromptLookupDrafter(3, PromptLookupConfig(min_ngram=1))
+    looked = session._collect(lambda p, timer: session.stream(p, timer, lookup=drafter), params)
+    assert alone.output_ids == want and looked.output_ids == want
+    kept = [n for s in looked.steps for n in s.accepted if n is not None]
+    assert max(kept) >= 3 and len(looked.steps) < len(alone.steps)
+    if verify_drafts < 7:  # a lookup proposal longer than the width widened the block
+        assert any(len(d) > verify_drafts for s in looked.steps for d in s.draft_tokens if d)
+    with pytest.raises(EngineError, match="greedily"):
+        next(gen.session(prompts).stream(SamplingParams(max_new_tokens=4, temperature=0.7), lookup=drafter))

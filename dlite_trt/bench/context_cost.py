@@ -63,9 +63,10 @@ def step_vs_decode(engine: Any, prompts: dict[int, list[int]], steps: int, round
     return rows
 
 
-def step_profile(engine_dir: Path, contexts: Sequence[int], *, runs: int = 50, threads: int | None = None,
-                 progress: Any = None) -> dict[str, dict]:
-    """Median kernel ms per step-graph call in the target, the draft and the rest, per context."""
+def step_profile(engine_dir: Path, contexts: Sequence[int], *, drafts: int | None = None, runs: int = 50,
+                 threads: int | None = None, progress: Any = None) -> dict[str, dict]:
+    """Median kernel ms per step-graph call (verifying ``drafts`` drafts, default all K) in the target,
+    the draft and the rest, per context."""
     import numpy as np
     import onnxruntime as ort
 
@@ -90,7 +91,8 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, runs: int = 50, t
         sessions[ctx] = ort.InferenceSession(str(engine_dir / manifest.graphs["step"]["onnx"]), so,
                                              providers=["CPUExecutionProvider"])
         cache = min(ctx + 128, largest_cache)  # room for the block, within the engine's largest cache
-        feeds[ctx] = dummy_inputs(spec, {"batch": 1, "cache": cache}, vocab_size=manifest.target_spec.vocab_size,
+        sizes = {"batch": 1, "cache": cache} | ({} if drafts is None else {"verify": drafts + 1})
+        feeds[ctx] = dummy_inputs(spec, sizes, vocab_size=manifest.target_spec.vocab_size,
                                   rng=np.random.default_rng(0))
         feeds[ctx]["past_len"][:] = ctx
     for _ in range(runs + warmup):  # contexts interleaved call by call: load bursts hit them all alike
@@ -118,7 +120,7 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, runs: int = 50, t
     return rows
 
 
-def _decode_feed(manifest: Any, sizes: dict[str, int], width: int, ctx: int, rng: Any) -> dict:
+def decode_feed(manifest: Any, sizes: dict[str, int], width: int, ctx: int, rng: Any) -> dict:
     """Random inputs of a greedy ``decode`` call of ``width`` tokens after ``ctx`` cached ones."""
     import numpy as np
 
@@ -132,7 +134,7 @@ def _decode_feed(manifest: Any, sizes: dict[str, int], width: int, ctx: int, rng
     return feed
 
 
-def _burst_medians(engine: Any, calls: dict[int, tuple[Any, dict[str, tuple[str, dict]]]], runs: int,
+def burst_medians(engine: Any, calls: dict[int, tuple[Any, dict[str, tuple[str, dict]]]], runs: int,
                    progress: Any) -> dict[int, dict[str, float]]:
     """Median wall seconds per (context, call name). ``calls``: context -> (cache, name -> (graph,
     feed)). Calls run in bursts of consecutive calls of one graph at one context (as in decoding:
@@ -157,25 +159,27 @@ def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progres
     """Median wall ms of single engine calls per context: the ``step`` graph (verify + draft), a
     ``decode`` call of K+1 tokens (the same verify pass alone: what n-gram lookup runs per step)
     and of 1 token (a target-only decode step). Inputs are random (the cache's contents do not
-    change the work), nothing is stored; see ``_burst_medians`` for the timing."""
+    change the work), nothing is stored; see ``burst_medians`` for the timing."""
     import numpy as np
 
     from dlite_trt.export.contract import dummy_inputs
 
     manifest = engine.manifest
     block = manifest.draft_config.block_size
+    width = engine.verify_drafts + 1  # the step's block as this engine runs it
     rng = np.random.default_rng(0)
     calls = {}
     for ctx in contexts:
         cache = engine.runner.new_cache(1)
         cache.ensure_capacity(ctx + 2 * block)
         sizes = {"batch": 1, "cache": cache.capacity}
-        step = dummy_inputs(manifest.contract["step"], sizes, vocab_size=manifest.target_spec.vocab_size, rng=rng)
+        step = dummy_inputs(manifest.contract["step"], sizes | {"verify": width},
+                            vocab_size=manifest.target_spec.vocab_size, rng=rng)
         step["past_len"][:] = ctx
         calls[ctx] = (cache, {"step": ("step", step),
-                              "verify": ("decode", _decode_feed(manifest, sizes, block, ctx, rng)),
-                              "decode": ("decode", _decode_feed(manifest, sizes, 1, ctx, rng))})
-    medians = _burst_medians(engine, calls, runs, progress)
+                              "verify": ("decode", decode_feed(manifest, sizes, width, ctx, rng)),
+                              "decode": ("decode", decode_feed(manifest, sizes, 1, ctx, rng))})
+    medians = burst_medians(engine, calls, runs, progress)
     rows = {}
     for ctx in contexts:
         step, verify, decode = (medians[ctx][k] * 1e3 for k in ("step", "verify", "decode"))
@@ -199,7 +203,7 @@ def verify_cost(engine: Any, contexts: Sequence[int], widths: Sequence[int] = (1
         cache = engine.runner.new_cache(1)
         cache.ensure_capacity(ctx + max(widths))
         sizes = {"batch": 1, "cache": cache.capacity}
-        calls[ctx] = (cache, {str(w): ("decode", _decode_feed(manifest, sizes, w, ctx, rng)) for w in widths})
-    medians = _burst_medians(engine, calls, runs, progress)
+        calls[ctx] = (cache, {str(w): ("decode", decode_feed(manifest, sizes, w, ctx, rng)) for w in widths})
+    medians = burst_medians(engine, calls, runs, progress)
     return {str(ctx): {w: {"ms": t * 1e3, "over_one_token": t / medians[ctx][str(widths[0])]}
                        for w, t in medians[ctx].items()} for ctx in contexts}

@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "bench": ("bench", "Benchmark DLite against target-only decoding and n-gram lookup, side by side."),
     "bench-serve": ("bench_serve", "Replay multi-turn agent sessions through the OpenAI server (TTFT, reuse, tok/s)."),
     "build": ("build", "Compile a target (Qwen3, Llama, Qwen2) and a DLite draft into an engine directory."),
+    "calibrate": ("calibrate", "Choose how many drafts an engine's step verifies, from costs measured here."),
     "import-gguf": ("import_gguf", "Convert a GGUF file into a Hugging Face model directory (dequantized)."),
     "generate": ("generate", "Generate with a target and a DLite draft (speculative decoding)."),
     "serve": ("serve", "Serve an engine: an OpenAI-compatible API (in-flight batching, prefix reuse) or Triton."),

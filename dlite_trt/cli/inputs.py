@@ -34,6 +34,29 @@ SEED = _SamplingValue("integer", "seed", click.INT)
 TEMPERATURE = _SamplingValue("float", "temperature", click.FLOAT)
 
 
+class _VerifyDrafts(click.ParamType):
+    """``auto`` (the engine's calibrated width) or a number of drafts >= 1 (checked against the engine on load)."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, int):
+            return value
+        try:
+            k = int(value)
+        except ValueError:
+            self.fail(f"expected 'auto' or a number of drafts like 3, got {value!r}", param, ctx)
+        if k < 1:
+            self.fail(f"a step verifies at least 1 draft, got {k}", param, ctx)
+        return k
+
+
+VERIFY_DRAFTS = click.option(
+    "--verify-drafts", "verify_drafts", type=_VerifyDrafts(), default="auto", show_default=True,
+    help="Drafts a greedy DLite step verifies (of the draft's K): auto = the engine's calibrated choice "
+         "(verify_width.json, from `dlite-trt build` / `dlite-trt calibrate`), else a number 1..K.")
+
+
 def check_engine_dir(engine: Path, hint: str = "") -> None:
     """An --engine path that is not an engine directory: the same EngineError (exit 1) from every command."""
     from dlite_trt.engine.manifest import MANIFEST

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import click
 
-from dlite_trt.cli.inputs import check_engine_dir
+from dlite_trt.cli.inputs import VERIFY_DRAFTS, check_engine_dir
 from dlite_trt.cli.serve_options import ENGINE, INSTANCES, MAX_BATCH, THREADS
 
 TRITON_ONLY = ("grpc_port", "metrics_port", "instances", "max_batch", "repo")
-OPENAI_ONLY = ("served_model_name", "speculative", "kv_cache_gb", "prefix_cache", "max_queue", "default_temperature")
+OPENAI_ONLY = ("served_model_name", "speculative", "verify_drafts", "kv_cache_gb", "prefix_cache", "max_queue",
+               "default_temperature")
 
 
 @click.command("serve")
@@ -32,6 +33,7 @@ OPENAI_ONLY = ("served_model_name", "speculative", "kv_cache_gb", "prefix_cache"
 @click.option("--served-model-name", help="The model's name in the API [default: the target's name]. (openai)")
 @click.option("--speculative", type=click.Choice(["dlite", "ngram", "none"]), default="dlite", show_default=True,
               help="How each step drafts: DLite, n-gram prompt lookup, or not at all (the baselines). (openai)")
+@VERIFY_DRAFTS
 @click.option("--kv-cache-gb", default=4.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
               help="KV memory: the running batch's cache plus finished sequences kept for reuse. (openai)")
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
@@ -91,7 +93,8 @@ def _serve_openai(engine: Path, host: str, port: int, threads: int | None, optio
     from dlite_trt.serve.openai_server import OpenAIFrontend, create_app
     from dlite_trt.serve.scheduler import Scheduler
 
-    loaded = load_engine(engine, threads=threads, preload=("prefill", "step", "decode"))
+    loaded = load_engine(engine, threads=threads, preload=("prefill", "step", "decode"),
+                         verify_drafts=options["verify_drafts"])
     name = options["served_model_name"] or Path(loaded.generator.manifest.target_name).name
     scheduler = Scheduler(loaded.generator, speculative=options["speculative"],
                           kv_budget_bytes=int(options["kv_cache_gb"] * 2**30),

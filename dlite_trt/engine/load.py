@@ -22,10 +22,12 @@ class LoadedEngine:
 
 def load_engine(engine_dir: Path, *, target: str | Path | None = None, draft: Path | None = None,
                 random_weights: bool = False, threads: int | None = None, verify: bool = False,
-                preload: tuple[str, ...] = ("prefill", "step")) -> LoadedEngine:
-    """Load an engine; when ``target``/``draft`` are given, refuse unless the engine was built from them."""
+                preload: tuple[str, ...] = ("prefill", "step"),
+                verify_drafts: int | str | None = "auto") -> LoadedEngine:
+    """Load an engine; when ``target``/``draft`` are given, refuse unless the engine was built from them.
+    ``verify_drafts``: drafts a greedy step verifies (``open_engine``)."""
     engine_dir = Path(engine_dir)
-    generator = open_engine(engine_dir, threads=threads, verify=verify, preload=preload)
+    generator = open_engine(engine_dir, threads=threads, verify=verify, preload=preload, verify_drafts=verify_drafts)
     manifest = generator.manifest
     target_sha = draft_sha = None
     if target is not None:

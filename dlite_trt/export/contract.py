@@ -7,8 +7,10 @@ TensorRT optimization profiles (min/opt/max) and Triton's config.pbtxt are all d
 Graphs (DESIGN 2):
 - ``prefill``: a chunk of prompt tokens on top of the KV cache -> first anchor, pivot hidden
   states, first draft block; chunked prefill and multi-turn extend are the same graph.
-- ``step``: verify [anchor, d_1..d_K] on top of the cache, accept per sequence, draft the next
-  block from the pivot at the last accepted position. One call = one speculative step.
+- ``step``: verify [anchor, d_1..d_k] on top of the cache, accept per sequence, draft the next
+  block from the pivot at the last accepted position. One call = one speculative step. The
+  greedy step's width k + 1 is dynamic (``verify``, 2..K+1): the host verifies the first k of
+  the K drafts where that pays more tokens per second (runtime/verify_width.py).
 - ``decode``: the target alone over a chunk (target-only decoding, the baseline).
 
 ``prefill`` and ``step`` are greedy: argmax everywhere, no draft logits leave the graph.
@@ -17,8 +19,9 @@ Graphs (DESIGN 2):
 next for rejection sampling. A greedy batch never pays for the sampling machinery (at Qwen3's
 V = 151,936, softmaxes and a [B, K, V] logits tensor per step).
 
-Dims: ``batch`` B, ``chunk`` T (tokens per prefill/decode call) and ``cache`` P (KV slots
-bound per call, the session's capacity) are dynamic; the rest are fixed by the models.
+Dims: ``batch`` B, ``chunk`` T (tokens per prefill/decode call), ``cache`` P (KV slots
+bound per call, the session's capacity) and the greedy step's ``verify`` (k + 1) are dynamic;
+the rest are fixed by the models.
 KV inputs are per layer (``past_key.{i}``, [B, kvH, P, D]) so that a runtime binds slices of
 one preallocated buffer without copying; new entries come back stacked ([L, B, kvH, T, D])
 and the runtime writes only the accepted ones (O(block) per step).
@@ -210,8 +213,12 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
         ), dims=(batch, chunk, cache))
 
     def step(sampling: bool) -> GraphSpec:
+        # greedy steps verify the first k <= K drafts (the block's width is k + 1; the host picks k,
+        # runtime/verify_width.py); sampling steps verify all K (their draft logits are [B, K, V])
+        width: str | int = k + 1 if sampling else "verify"
+        dims = (batch, cache) if sampling else (batch, cache, Dim("verify", 2, k + 1, k + 1))
         return GraphSpec("step" + SAMPLING_SUFFIX * sampling, inputs=(
-            TensorSpec("block", "int64", ("batch", k + 1), "[anchor, d_1..d_K] from the previous call"),
+            TensorSpec("block", "int64", ("batch", width), "[anchor, d_1..d_k] (k <= K) from the previous call"),
             TensorSpec("past_len", "int64", ("batch",), "cached tokens = position of the anchor"),
             *prefix,
             *([TensorSpec("draft_logits", "float32", ("batch", k, v), "next_draft_logits of the previous call"),
@@ -223,13 +230,13 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
             *kv_inputs(),
         ), outputs=(
             TensorSpec("accepted", "int64", ("batch",), "n: drafts accepted; the step emits n + 1 tokens"),
-            TensorSpec("emitted", "int64", ("batch", k + 1), f"d_1..d_n, the new anchor, then {PAD_TOKEN}"),
+            TensorSpec("emitted", "int64", ("batch", width), f"d_1..d_n, the new anchor, then {PAD_TOKEN}"),
             next_block,
             *([TensorSpec("next_group_prefix", "int64", ("batch", g - 1), "group_prefix for the next step")]
               if g > 1 else []),
             *([next_logits] if sampling else []),
-            *kv_outputs(k + 1),
-        ), dims=(batch, cache))
+            *kv_outputs(width),
+        ), dims=dims)
 
     decode = GraphSpec("decode", inputs=(
         TensorSpec("input_ids", "int64", ("batch", "chunk"), "tokens, right-padded"),
@@ -250,16 +257,19 @@ def dummy_inputs(graph: GraphSpec, sizes: Mapping[str, int], *, vocab_size: int,
                  rng: np.random.Generator, check: bool = True) -> dict[str, np.ndarray]:
     """Valid random inputs for a graph at the given dim sizes (tests, tracing, TensorRT checks).
 
+    A dim not in ``sizes`` takes its largest size (the greedy step's ``verify``: all K drafts).
     ``check=False`` allows sizes outside the engine's ranges (tracing uses fixed odd sizes;
     the traced dims are dynamic, so they need not lie within the limits).
     """
+    sizes = {d.name: d.max for d in graph.dims} | dict(sizes)
     if check:
         graph.check_sizes(sizes)
     feeds: dict[str, np.ndarray] = {}
     b = sizes["batch"]
     has_chunk = any(d.name == "chunk" for d in graph.dims)
     chunk = sizes["chunk"] if has_chunk else 1
-    width = chunk if has_chunk else graph.tensor("block").dims[1]  # tokens this call adds
+    block_width = None if has_chunk else graph.tensor("block").dims[1]
+    width = chunk if has_chunk else sizes[block_width] if isinstance(block_width, str) else block_width  # tokens this call adds
     for t in graph.inputs:
         shape = t.shape(sizes)
         if t.name in ("input_ids", "block", "group_prefix"):

@@ -36,11 +36,22 @@ class _Chunk:
 
 
 class EngineGenerator(GeneratorBase):
-    def __init__(self, runner: Any, manifest: Manifest) -> None:
+    def __init__(self, runner: Any, manifest: Manifest, verify_drafts: int | None = None) -> None:
+        """``verify_drafts``: how many of the draft's K proposals a greedy step verifies (None: all K)."""
         self.runner = runner
         self.manifest = manifest
         self.cfg = manifest.draft_config
         self.spec = manifest.target_spec
+        self.verify_drafts = self.check_verify_drafts(self.cfg.num_proposals if verify_drafts is None
+                                                      else verify_drafts)
+
+    def check_verify_drafts(self, k: int) -> int:
+        """``k`` if a greedy step of this engine can verify k drafts, else a clear error."""
+        most = self.cfg.num_proposals
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= most:
+            raise EngineError(f"--verify-drafts must be an integer in 1..{most} (the draft proposes {most} tokens a "
+                              f"step), got {k!r}.")
+        return k
 
     def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:
         return EngineSession(self, prompts)
@@ -132,8 +143,14 @@ class EngineSession(SessionBase):
         return out
 
     # -- decoding --------------------------------------------------------------------------------
-    def stream(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
+    def stream(self, params: SamplingParams, timer: StageTimer | None = None,
+               lookup: Any = None) -> Iterator[StepEvent]:
         """Yield the tokens each engine call emits, per sequence, until every sequence stops.
+
+        ``lookup`` (greedy only; a ``PromptLookupDrafter``): where n-gram prompt lookup finds a match,
+        its proposal replaces the draft's in the block the step verifies (``_looked_up``); the
+        draft still drafts every next block. Verification does not care where drafts came from, so
+        the output stays the target's greedy output.
 
         Greedy runs use the ``prefill``/``step`` graphs; sampling runs the ``*_sampling`` ones,
         with uniforms drawn in the reference's order (anchor, then per step: accept tests,
@@ -141,10 +158,15 @@ class EngineSession(SessionBase):
         """
         timer = timer or StageTimer()
         b, k = self.batch_size, self.k
+        sampling = not is_greedy(params.temperature)
+        if lookup is not None and sampling:
+            raise EngineError("DLite with n-gram lookup decodes greedily; use temperature 0, or drop the lookup.")
         draw = self._start(params)
         if params.max_new_tokens == 0:
             return
-        sampling = not is_greedy(params.temperature)
+        if lookup is not None:
+            with timer.time("draft_context"):
+                lookup.sync(self.tokens)
         suffix = SAMPLING_SUFFIX if sampling else ""
         temperature = np.full(b, params.temperature, np.float32)
 
@@ -160,9 +182,11 @@ class EngineSession(SessionBase):
         carried = {"draft_logits": out["next_draft_logits"]} if sampling else {}
         yield StepEvent(tuple(self._emit(row, [int(block[row, 0])], params) for row in range(b)), None)
         engine_before = self.cache.engine_seconds
+        width = k + 1 if sampling else self.gen.verify_drafts + 1  # a greedy step verifies d_1..d_k
         while any(self._active):
             with timer.time("step"):
                 past_len = np.array(self.cache_len, np.int64)  # = anchor position of every active row
+                block = np.ascontiguousarray(block[:, :width]) if lookup is None else self._looked_up(block, width, lookup)
                 feeds = {"block": block, "past_len": past_len, **prefix, **carried,
                          **random_feeds(("u_accept", (b, k)), ("u_resample", (b,)), ("u_draft", (b, k)))}
                 out = self._infer("step" + suffix, feeds)
@@ -178,6 +202,18 @@ class EngineSession(SessionBase):
                     carried = {"draft_logits": out["next_draft_logits"]}
             yield event
         timer.seconds["engine"] += self.cache.engine_seconds - engine_before
+
+    def _looked_up(self, block: np.ndarray, width: int, lookup: Any) -> np.ndarray:
+        """[anchor, drafts]: per active row the n-gram proposal after its tokens (which end with the
+        anchor: it was emitted by the previous call) where there is one, else the draft's first
+        width-1 drafts; the block widens to the longest proposal (at most K), rows with shorter
+        ones keep the draft's drafts after theirs."""
+        proposals = [lookup.propose(row, self.tokens[row], self.k) if self._active[row] else []
+                     for row in range(self.batch_size)]
+        out = np.array(block[:, : max(width, 1 + max(map(len, proposals)))])
+        for row, proposal in enumerate(proposals):
+            out[row, 1 : 1 + len(proposal)] = proposal
+        return out
 
     def _target_first(self, params: SamplingParams, uniforms) -> list[int]:
         b = self.batch_size
@@ -218,17 +254,25 @@ def _host(uniforms, *shape: int) -> np.ndarray:
 
 
 def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = False,
-                preload: tuple[str, ...] = ("prefill", "step"), cuda_graphs: bool = True) -> EngineGenerator:
+                preload: tuple[str, ...] = ("prefill", "step"), cuda_graphs: bool = True,
+                verify_drafts: int | str | None = "auto") -> EngineGenerator:
     """Load and check an engine directory; returns a ready generator. ``preload`` graphs are
     loaded now (each ONNX Runtime session holds its own prepacked weights); the others on first use.
-    ``cuda_graphs``: a TensorRT engine replays its step as a CUDA graph (no effect on ONNX Runtime)."""
+    ``cuda_graphs``: a TensorRT engine replays its step as a CUDA graph (no effect on ONNX Runtime).
+    ``verify_drafts``: drafts a greedy step verifies; "auto" takes the engine's calibrated choice
+    (``verify_width.json``, written by build and ``dlite-trt calibrate``), all K without one; None: all K."""
     from dlite_trt.engine.manifest import load_manifest
+    from dlite_trt.runtime import verify_width
     from dlite_trt.runtime.ort_runner import OrtRunner
 
     manifest = load_manifest(Path(engine_dir), verify=verify)
+    if verify_drafts == "auto":
+        choice = verify_width.load(Path(engine_dir), manifest.draft_config.num_proposals)
+        verify_drafts = manifest.draft_config.num_proposals if choice is None else choice.drafts
     if manifest.backend == "tensorrt":
         from dlite_trt.runtime.trt_runner import TrtRunner
 
         runner = TrtRunner(Path(engine_dir), manifest, cuda_graphs=cuda_graphs)
-        return EngineGenerator(runner.activate(preload), manifest)
-    return EngineGenerator(OrtRunner(Path(engine_dir), manifest, threads=threads).activate(preload), manifest)
+        return EngineGenerator(runner.activate(preload), manifest, verify_drafts)
+    return EngineGenerator(OrtRunner(Path(engine_dir), manifest, threads=threads).activate(preload), manifest,
+                           verify_drafts)

@@ -117,7 +117,7 @@ class Scheduler:
         if speculative not in SPECULATIVE:
             raise DLiteError(f"--speculative must be one of {', '.join(SPECULATIVE)}, got {speculative!r}.")
         self.counter = _CountingRunner(generator.runner)
-        self.generator = EngineGenerator(self.counter, generator.manifest)
+        self.generator = EngineGenerator(self.counter, generator.manifest, generator.verify_drafts)
         manifest = generator.manifest
         self.limits, self.cfg, self.spec = manifest.limits, manifest.draft_config, manifest.target_spec
         self.speculative = speculative
@@ -385,7 +385,8 @@ class _DLiteCalls:
             if not row.draws:
                 row.draw(("u_accept", (1, self.k)), ("u_resample", (1,)), ("u_draft", (1, self.k)))
         past_len = np.array([r.cache_len for r in rows], np.int64)
-        feeds = {"block": np.stack([r.state["block"] for r in rows]), "past_len": past_len}
+        k = self.k if sampling else self.sched.generator.verify_drafts  # a greedy step verifies d_1..d_k
+        feeds = {"block": np.stack([r.state["block"][: k + 1] for r in rows]), "past_len": past_len}
         if self.g > 1:
             feeds["group_prefix"] = np.stack([r.state["prefix"] for r in rows])
         if sampling:
@@ -394,7 +395,7 @@ class _DLiteCalls:
                 "temperature": _temperatures(rows),
                 "draft_logits": np.stack([r.state["logits"] if r.state.get("logits") is not None
                                           else np.zeros((self.k, vocab), np.float32) for r in rows])}
-        view.reserve(int(past_len.max()) + self.k + 1, view.capacity)
+        view.reserve(int(past_len.max()) + k + 1, view.capacity)
         out = self.sched.counter.infer("step" + SAMPLING_SUFFIX * sampling, feeds, view)
         out = _outputs(out)
         n = out["accepted"].tolist()
@@ -405,7 +406,7 @@ class _DLiteCalls:
             if self.g > 1:
                 state["prefix"] = out["next_group_prefix"][i]
             results.append(_Result(out["emitted"][i, : n[i] + 1].tolist(), int(past_len[i]) + n[i] + 1, state,
-                                   drafts=self.k, accepted=n[i]))
+                                   drafts=k, accepted=n[i]))
             row.draws = {}
         return results
 

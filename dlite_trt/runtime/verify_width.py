@@ -1,0 +1,114 @@
+"""How many of its K drafts a greedy step verifies: the width that gives the most tokens per second.
+
+A step that verifies the first k drafts emits 1 + min(n, k) tokens, n being the drafts the
+target would accept out of all K (greedy acceptance of d_i depends on d_1..d_i only), so
+
+    E[tokens per step | k] = 1 + sum_{i <= k} P(n >= i),
+
+and it costs c(k), the wall time of the step call at width k + 1 (the target's verify grows
+with k; the draft's part is the same at every k). The engine verifies the k that maximises
+E[tokens | k] / c(k). On a GPU at batch 1 verifying K costs about what verifying 1 does and
+k = K; on a CPU (or a busy GPU) verification is compute-bound and a smaller k can pay more.
+
+``dlite_trt.bench.calibrate`` measures both on the engine at hand (the acceptance curve from
+greedy generations at full width, the costs from step calls at every width, and a decode call
+for the predicted speedup over target-only decoding); ``dlite-trt build`` and ``dlite-trt
+calibrate`` write the choice to ``verify_width.json`` in the engine directory, and
+``open_engine`` verifies that many drafts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlite_trt.errors import DLiteError, EngineError
+
+WIDTH_FILE = "verify_width.json"
+
+
+def acceptance_curve(accepted: Sequence[int], max_drafts: int) -> list[float]:
+    """P(n >= i) for i = 1..K from the drafts accepted per step at full width (each n in 0..K)."""
+    if not accepted:
+        raise DLiteError("no steps to estimate the acceptance curve from; generate some tokens first.")
+    bad = [n for n in accepted if not 0 <= n <= max_drafts]
+    if bad:
+        raise DLiteError(f"accepted counts {bad[:5]} are outside 0..{max_drafts}.")
+    return [sum(n >= i for n in accepted) / len(accepted) for i in range(1, max_drafts + 1)]
+
+
+def expected_tokens(curve: Sequence[float], drafts: int) -> float:
+    """Tokens a step emits on average when it verifies ``drafts`` drafts: 1 + sum_{i <= k} P(n >= i)."""
+    return 1.0 + sum(curve[:drafts])
+
+
+@dataclass(frozen=True)
+class WidthChoice:
+    """The chosen number of drafts to verify, with the curve it was chosen from."""
+
+    drafts: int
+    curve: Sequence[float]  # P(n >= i), i = 1..K
+    step_ms: Mapping[int, float]  # k -> step call wall ms
+    decode_ms: float | None = None  # a one-token decode call, for the predicted speedup
+    source: str = ""  # what the figures were measured on
+
+    def rows(self) -> dict[int, dict[str, float]]:
+        """Per k: tokens per step, step ms, tokens per ms and (with decode_ms) the predicted speedup."""
+        out = {}
+        for k, ms in sorted(self.step_ms.items()):
+            tokens = expected_tokens(self.curve, k)
+            row = {"tokens_per_step": tokens, "step_ms": ms, "tokens_per_ms": tokens / ms}
+            if self.decode_ms:
+                row["speedup_over_decode"] = tokens * self.decode_ms / ms
+            out[k] = row
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"drafts": self.drafts, "acceptance_at_least": list(self.curve),
+                "step_ms": {str(k): v for k, v in sorted(self.step_ms.items())}, "decode_ms": self.decode_ms,
+                "source": self.source, "rows": {str(k): v for k, v in self.rows().items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WidthChoice:
+        return cls(int(data["drafts"]), tuple(float(p) for p in data["acceptance_at_least"]),
+                   {int(k): float(v) for k, v in data["step_ms"].items()},
+                   None if data.get("decode_ms") is None else float(data["decode_ms"]), str(data.get("source", "")))
+
+
+def choose(step_ms: Mapping[int, float], curve: Sequence[float], *, decode_ms: float | None = None,
+           source: str = "") -> WidthChoice:
+    """The k of ``step_ms`` (k -> cost) that maximises expected tokens per step / cost; ties go to the larger k."""
+    if not step_ms:
+        raise DLiteError("no step costs to choose a verify width from.")
+    bad = [k for k in step_ms if not 1 <= k <= len(curve)]
+    if bad:
+        raise DLiteError(f"verify widths {bad} are outside 1..{len(curve)} (the draft's K).")
+    if any(not ms > 0 for ms in step_ms.values()):
+        raise DLiteError(f"step costs must be positive, got {dict(step_ms)}.")
+    best = max(step_ms, key=lambda k: (expected_tokens(curve, k) / step_ms[k], k))
+    return WidthChoice(best, tuple(curve), dict(step_ms), decode_ms, source)
+
+
+def save(engine_dir: Path, choice: WidthChoice) -> Path:
+    path = Path(engine_dir) / WIDTH_FILE
+    path.write_text(json.dumps(choice.to_dict(), indent=2) + "\n")
+    return path
+
+
+def load(engine_dir: Path, max_drafts: int) -> WidthChoice | None:
+    """The engine's calibrated choice, or None when it has none (an engine calibrated by nothing)."""
+    path = Path(engine_dir) / WIDTH_FILE
+    if not path.is_file():
+        return None
+    try:
+        choice = WidthChoice.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise EngineError(f"{path} is corrupt ({exc!r}); delete it and run `dlite-trt calibrate --engine "
+                          f"{engine_dir}`.") from exc
+    if not 1 <= choice.drafts <= max_drafts or len(choice.curve) != max_drafts:
+        raise EngineError(f"{path} is for a draft of {len(choice.curve)} proposals (chose {choice.drafts}), this "
+                          f"engine's draft makes {max_drafts}; run `dlite-trt calibrate --engine {engine_dir}`.")
+    return choice

@@ -1,0 +1,131 @@
+"""The verify width: the choice is exact on constructed costs and acceptance curves, and a greedy
+step that verifies k < K drafts is lossless at every k. Tiers: arithmetic exact; token ids exact."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from helpers import (
+    bigram_draft,
+    draft_config,
+    hf_greedy,
+    near_bigram_target,
+    small_engine,
+)
+
+from dlite_trt.errors import DLiteError, EngineError
+from dlite_trt.runtime import verify_width
+from dlite_trt.runtime.engine import EngineGenerator, open_engine
+from dlite_trt.runtime.session import SamplingParams
+
+NEW = 40
+
+
+def test_expected_tokens_equal_the_mean_of_truncated_steps():
+    """E[1 + min(n, k)] over observed full-width counts n equals 1 + sum_{i<=k} P(n >= i), at every k."""
+    rng = random.Random(0)
+    counts = [min(int(rng.expovariate(0.6)), 7) for _ in range(500)]
+    curve = verify_width.acceptance_curve(counts, 7)
+    for k in range(1, 8):
+        mean = sum(1 + min(n, k) for n in counts) / len(counts)
+        assert verify_width.expected_tokens(curve, k) == pytest.approx(mean, abs=1e-12)
+
+
+def test_acceptance_curve_by_hand():
+    assert verify_width.acceptance_curve([0, 1, 3, 3], 4) == [0.75, 0.5, 0.5, 0.0]
+    with pytest.raises(DLiteError, match="outside 0..4"):
+        verify_width.acceptance_curve([5], 4)
+    with pytest.raises(DLiteError, match="no steps"):
+        verify_width.acceptance_curve([], 4)
+
+
+@pytest.mark.parametrize("curve, costs, want", [
+    # by hand: tokens/ms = 1.9/1.1, 2.7/1.2, 3.4/1.3, 4.0/2.0 -> 1.727, 2.25, 2.615, 2.0
+    ([0.9, 0.8, 0.7, 0.6], {1: 1.1, 2: 1.2, 3: 1.3, 4: 2.0}, 3),
+    # a GPU at batch 1: every width costs the same, so verify all K
+    ([0.5, 0.3, 0.1, 0.05], {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}, 4),
+    # a CPU with a weak draft: 1.3/1.1 = 1.18 beats 1.4/1.3 = 1.08, 1.45/1.5, 1.47/1.8
+    ([0.3, 0.1, 0.05, 0.02], {1: 1.1, 2: 1.3, 3: 1.5, 4: 1.8}, 1),
+    # only some widths measured
+    ([0.9, 0.9, 0.9, 0.9], {2: 1.2, 4: 1.3}, 4),
+])
+def test_choice_is_exact(curve, costs, want):
+    choice = verify_width.choose(costs, curve, decode_ms=1.0)
+    assert choice.drafts == want
+    rows = choice.rows()
+    assert max(rows, key=lambda k: rows[k]["tokens_per_ms"]) == want
+    assert rows[want]["speedup_over_decode"] == pytest.approx(rows[want]["tokens_per_step"] / costs[want])
+
+
+def test_choice_refuses_bad_inputs():
+    with pytest.raises(DLiteError, match="outside 1..2"):
+        verify_width.choose({3: 1.0}, [0.5, 0.2])
+    with pytest.raises(DLiteError, match="positive"):
+        verify_width.choose({1: 0.0}, [0.5, 0.2])
+    with pytest.raises(DLiteError, match="no step costs"):
+        verify_width.choose({}, [0.5])
+
+
+@pytest.fixture(scope="module")
+def bigram(tmp_path_factory):
+    hf, spec = near_bigram_target(64, seed=11)
+    draft = bigram_draft(hf, draft_config(spec, block_size=8, anchor_group_size=2))
+    tmp = tmp_path_factory.mktemp("verify_width")
+    return hf, small_engine(tmp, hf, draft), tmp / "engine"
+
+
+def test_every_width_is_lossless(bigram):
+    """At every k, greedy output equals transformers' greedy; each step proposes k drafts, and full
+    acceptance at width k occurs (the block really is that wide)."""
+    hf, engine, _ = bigram
+    prompts = [[3, 5, 7, 9, 11, 2, 4], [1, 2]]
+    want = [hf_greedy(hf, p, NEW) for p in prompts]
+    k_max = engine.cfg.num_proposals
+    for k in range(1, k_max + 1):
+        result = EngineGenerator(engine.runner, engine.manifest, k).generate(prompts, SamplingParams(max_new_tokens=NEW))
+        assert result.output_ids == want, k
+        rows = [(s.draft_tokens[r], s.accepted[r]) for s in result.steps for r in range(2) if s.accepted[r] is not None]
+        assert {len(d) for d, _ in rows} == {k}
+        assert max(n for _, n in rows) == k
+
+
+def test_sampling_ignores_the_width(bigram):
+    """A sampling step verifies all K (its draft logits are [B, K, V]): the same seeded tokens at any k."""
+    _, engine, _ = bigram
+    params = SamplingParams(max_new_tokens=24, temperature=0.8, seed=3)
+    outs = [EngineGenerator(engine.runner, engine.manifest, k).generate([[4, 8, 15]], params) for k in (1, 7)]
+    assert outs[0].output_ids == outs[1].output_ids
+    assert {len(s.draft_tokens[0]) for s in outs[0].steps} == {engine.cfg.num_proposals}
+
+
+def test_width_out_of_range_is_refused(bigram):
+    _, engine, _ = bigram
+    for k in (0, engine.cfg.num_proposals + 1, True):
+        with pytest.raises(EngineError, match="verify-drafts"):
+            EngineGenerator(engine.runner, engine.manifest, k)
+
+
+def test_calibration_file_is_used_and_checked(bigram, tmp_path):
+    """open_engine takes the calibrated k; a corrupt or foreign verify_width.json is refused clearly."""
+    _, engine, engine_dir = bigram
+    from dlite_trt.bench.calibrate import calibrate
+
+    choice = calibrate(engine, [[3, 5, 7, 9], [1, 2, 3]], new_tokens=16, context=32, runs=10)
+    assert set(choice.step_ms) == set(range(1, engine.cfg.num_proposals + 1)) and choice.decode_ms > 0
+    forced = verify_width.WidthChoice(2, choice.curve, choice.step_ms, choice.decode_ms)
+    path = verify_width.save(engine_dir, forced)
+    try:
+        assert open_engine(engine_dir).verify_drafts == 2
+        assert open_engine(engine_dir, verify_drafts=5).verify_drafts == 5
+        assert verify_width.load(engine_dir, engine.cfg.num_proposals) == forced
+        path.write_text("{not json")
+        with pytest.raises(EngineError, match="corrupt"):
+            open_engine(engine_dir)
+        path.write_text(json.dumps(forced.to_dict() | {"acceptance_at_least": [0.5]}))
+        with pytest.raises(EngineError, match="calibrate"):
+            open_engine(engine_dir)
+    finally:
+        path.unlink()
+    assert open_engine(engine_dir).verify_drafts == engine.cfg.num_proposals
