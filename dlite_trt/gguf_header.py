@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import struct
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ class _Tensor:
     type_id: int
     elements: int
     offset: int  # from the start of the data section
+    dims: tuple[int, ...] = ()  # ggml order: dims[0] is the innermost (a matrix's row length)
 
 
 @dataclass(frozen=True)
@@ -107,11 +109,11 @@ def _parse_header(buf: mmap.mmap | bytes) -> _Header:
     tensors = []
     for _ in range(tensor_count):
         name = cur.string()
-        n_dims = cur.unpack("I")
+        dims = tuple(cur.unpack("Q") for _ in range(cur.unpack("I")))
         elements = 1
-        for _ in range(n_dims):
-            elements *= cur.unpack("Q")
-        tensors.append(_Tensor(name, cur.unpack("I"), elements, cur.unpack("Q")))
+        for d in dims:
+            elements *= d
+        tensors.append(_Tensor(name, cur.unpack("I"), elements, cur.unpack("Q"), dims))
     alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"general.alignment is {alignment!r}")
@@ -260,3 +262,39 @@ def checked_header(path: Path, size: int) -> _Header:
                               "dlite-trt needs it. Use a GGUF converted with its tokenizer (llama.cpp's "
                               "convert_hf_to_gguf.py writes it), or pass a Hugging Face model directory.")
     return header
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One tensor's bytes as the file stores them (``gguf.dequantize`` turns them into floats)."""
+
+    name: str
+    type_name: str  # GGMLQuantizationType name: Q4_1, Q8_0, F32, ...
+    shape: tuple[int, ...]  # numpy order: a [N, K] matrix has rows of K weights
+    data: Any  # np.ndarray uint8 [*shape[:-1], bytes per row]
+
+
+def read_raw_tensors(path: Path, names: Iterable[str]) -> dict[str, RawTensor]:
+    """The stored bytes of the named tensors (the header checked as ``checked_header`` does).
+    Raises CheckpointError naming a tensor the file does not hold."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
+    header = checked_header(path, path.stat().st_size)
+    by_name = {t.name: t for t in header.tensors}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise CheckpointError(f"{path} holds no tensor {missing[0]!r} ({len(missing)} missing); it is not the model "
+                              "the converted target came from. Pass the .gguf file again as --target.")
+    out = {}
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for name in names:
+            t = by_name[name]
+            qtype = GGMLQuantizationType(t.type_id)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            shape = tuple(reversed(t.dims))
+            start = header.data_offset + t.offset
+            raw = np.frombuffer(buf, np.uint8, t.elements // block * type_size, start).copy()
+            out[name] = RawTensor(name, qtype.name, shape, raw.reshape(*shape[:-1], shape[-1] // block * type_size))
+    return out

@@ -269,7 +269,7 @@ def _convert_into(info: GGUFInfo, tmp: Path, dtype: str, progress: bool) -> None
     _stage(progress, started, f"writing {dtype} safetensors and the tokenizer")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    record = {"source": name, "sha256": info.sha256, "size": info.size, "dtype": dtype,
+    record = {"source": name, "path": str(info.path), "sha256": info.sha256, "size": info.size, "dtype": dtype,
               "architecture": info.architecture, "tensor_types": list(info.tensor_types),
               "dlite_trt_version": __version__, "transformers_version": version("transformers"),
               "gguf_version": gguf_version()}
@@ -341,6 +341,7 @@ def gguf_target_dir(path: str | Path, *, dtype: str = "fp32", progress: bool = T
     info = check_gguf(path, progress=progress)
     final = cache_root() / "gguf" / f"{info.sha256}-{dtype}"
     if _is_conversion_of(final, info.sha256, dtype):
+        _remember_path(final, info.path)
         return final
     if final.exists():  # incomplete or tampered with (a conversion only ever lands whole): redo it
         shutil.rmtree(final, ignore_errors=True)
@@ -355,6 +356,38 @@ def gguf_target_dir(path: str | Path, *, dtype: str = "fp32", progress: bool = T
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _remember_path(directory: Path, path: Path) -> None:
+    """Point a cached conversion's record at the file it was last resolved from (the same bytes:
+    the directory is named by their sha256), so ``gguf_origin`` finds the file that is there now."""
+    record = read_import_record(directory)
+    if record is None or record.get("path") == str(path):
+        return
+    try:
+        _write_json_atomic(directory / IMPORT_RECORD, record | {"path": str(path)})
+    except OSError:
+        pass  # a read-only cache: gguf_origin then reports the file it knew
+
+
+def gguf_origin(directory: str | Path) -> Path | None:
+    """The GGUF file a converted target directory was made from, or None for a directory that is no
+    GGUF conversion. Raises CheckpointError when the file is gone or no longer holds those bytes
+    (``dlite-trt build --dtype int4`` reads its quantized blocks)."""
+    record = read_import_record(directory)
+    if record is None:
+        return None
+    where = record.get("path")
+    if not isinstance(where, str):
+        raise CheckpointError(f"{directory} is a GGUF conversion that does not record its file (made by an older "
+                              "dlite-trt); pass the .gguf file as --target once to record it.")
+    path = Path(where)
+    if not path.is_file():
+        raise CheckpointError(f"{directory} was converted from {path}, which is gone; pass the .gguf file as --target.")
+    if file_sha256(path, progress=False) != record.get("sha256"):
+        raise CheckpointError(f"{path} changed since {directory} was converted from it; pass the .gguf file as "
+                              "--target again.")
+    return path
 
 
 # --------------------------------------------------------------------------------------------- wheels

@@ -20,8 +20,17 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
               help="Engine directory to write (replaced only once the new engine is complete).")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
               help="tensorrt: TensorRT plans (needs dlite-trt[trt] and an NVIDIA GPU).")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
-              help="Engine precision (bf16: tensorrt only).")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16", "int4"]), default="fp32", show_default=True,
+              help="Engine precision (bf16: tensorrt only). int4: the target's projection matrices 4-bit "
+                   "(onnxruntime), fp32 between the matmuls (see --int4-accuracy-level); a Q4_1/Q4_0 GGUF's own "
+                   "blocks are kept exactly, other targets are quantized round-to-nearest into Q4_1.")
+@click.option("--int4-accuracy-level", "int4_accuracy_level", type=click.Choice(["4", "0"]), default=None,
+              help="With --dtype int4: MatMulNBits' accuracy level [default: 0]. 0: fp32 compute, weight-only: "
+                   "fp32 arithmetic on the dequantized weights, the LM head float; speculative output equals "
+                   "target-only greedy. 4: int8 activations inside the quantized matmuls (per block of 32, as "
+                   "onnxruntime-genai's CPU int4 models run) and the LM head 8-bit (a GGUF's own Q8_0 head); "
+                   "faster, but a step (k+1 rows) and a decode call (1 row) round differently, so DLite's output "
+                   "can leave target-only greedy's at a near-tie.")
 @click.option("--workspace", "workspace_gb", default=8.0, show_default=True, type=click.FloatRange(min=0.1),
               help="tensorrt: builder workspace, GB.")
 @click.option("--timing-cache", type=click.Path(path_type=Path, dir_okay=False),
@@ -34,28 +43,41 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
 @click.option("--max-chunk", default=512, show_default=True, type=click.IntRange(min=1),
               help="Prompt tokens per prefill call; longer prompts are prefilled in chunks.")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
+@click.option("--no-calibrate", "no_calibrate", is_flag=True,
+              help="Skip measuring the verify width (`dlite-trt calibrate` does it later; until then steps verify "
+                   "all K drafts).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str, workspace_gb: float,
-            timing_cache: Path | None, max_seq_len: int | None, max_batch: int, max_chunk: int, random_weights: bool,
-            quiet: bool) -> None:
+def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str,
+            int4_accuracy_level: str | None, workspace_gb: float, timing_cache: Path | None, max_seq_len: int | None,
+            max_batch: int, max_chunk: int, random_weights: bool, no_calibrate: bool, quiet: bool) -> None:
     """Compile a target (Qwen3, Llama or Qwen2) and a DLite draft into an engine directory.
 
     Without --target and --draft: SmolLM2-135M-Instruct and the DLite draft trained for it."""
     from transformers.utils import logging as hf_logging
 
     from dlite_trt.bundled import pair_or_default
+    from dlite_trt.dtypes import WEIGHT_ONLY_DTYPES
     from dlite_trt.engine.build import BuildSettings, build_engine
     from dlite_trt.export.contract import EngineLimits
 
     check_random_weights(random_weights, target)
+    if int4_accuracy_level is not None and dtype != "int4":
+        raise click.UsageError("--int4-accuracy-level applies to --dtype int4 only.")
     hf_logging.disable_progress_bar()
     target, draft = pair_or_default(target, draft)
-    settings = BuildSettings(backend=backend, dtype=dtype, random_weights=random_weights, workspace_gb=workspace_gb,
+    dtype, weights = WEIGHT_ONLY_DTYPES.get(dtype, (dtype, "float"))
+    level = {} if int4_accuracy_level is None else {"int4_accuracy_level": int(int4_accuracy_level)}
+    settings = BuildSettings(backend=backend, dtype=dtype, weights=weights, random_weights=random_weights,
+                             workspace_gb=workspace_gb, **level,
                              timing_cache=timing_cache, fit_seq_len_to_target=max_seq_len is None,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,
                                                  max_chunk=max_chunk))
     manifest = build_engine(target, draft, out, settings, progress=not quiet)
     total = sum(r["bytes"] for r in manifest.files.values())
-    click.echo(f"engine {out}: {backend} {dtype}, block size {manifest.block_size}, max batch {max_batch}, "
-               f"max seq len {manifest.limits.max_seq_len}; {len(manifest.files)} files, {total / 2**20:.1f} MiB, "
+    click.echo(f"engine {out}: {backend} {manifest.weights.describe(dtype)}, block size {manifest.block_size}, "
+               f"max batch {max_batch}, max seq len {manifest.limits.max_seq_len}; {len(manifest.files)} files, {total / 2**20:.1f} MiB, "
                f"built in {manifest.build['seconds']:.1f} s")
+    if not no_calibrate and not random_weights:  # random weights: nothing to accept
+        from dlite_trt.bench.calibrate import calibrate_engine
+
+        click.echo(calibrate_engine(out)[1])

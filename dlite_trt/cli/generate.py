@@ -8,7 +8,13 @@ from pathlib import Path
 
 import click
 
-from dlite_trt.cli.inputs import SEED, TEMPERATURE, check_engine_dir, check_random_weights
+from dlite_trt.cli.inputs import (
+    SEED,
+    TEMPERATURE,
+    VERIFY_DRAFTS,
+    check_engine_dir,
+    check_random_weights,
+)
 from dlite_trt.errors import DLiteError
 
 
@@ -60,12 +66,13 @@ def _check_options(engine: Path | None, target: str | None, prompt: str | None, 
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
 @click.option("--threads", type=click.IntRange(min=1),
               help="With --engine: ONNX Runtime intra-op threads (default: one per physical core).")
+@VERIFY_DRAFTS
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", is_flag=True, help="Include each step's draft tokens and accepted count.")
 def command(engine: Path | None, verify: bool, target: str | None, draft: Path | None, prompt: str | None,
             input_ids: str | None, max_new_tokens: int, temperature: float, seed: int | None, chat: bool,
             ignore_eos: bool, dtype: str | None,
-            random_weights: bool, threads: int | None, as_json: bool, trace: bool) -> None:
+            random_weights: bool, threads: int | None, verify_drafts: int | str, as_json: bool, trace: bool) -> None:
     """Generate with a target and a DLite draft (speculative decoding)."""
     if (prompt is None) == (input_ids is None):
         raise click.UsageError("pass exactly one of --prompt TEXT or --input-ids 1,2,3")
@@ -77,6 +84,9 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
     check_pair_options(target, draft)
     if verify and engine is None:
         raise click.UsageError("--verify checks an engine directory; pass --engine DIR")
+    if verify_drafts != "auto" and engine is None:
+        raise click.UsageError("--verify-drafts sets an engine's verify width; pass --engine DIR (the PyTorch "
+                               "reference verifies all K drafts)")
     if engine is not None:
         check_engine_dir(engine)  # after the usage errors: opening a path is the runtime part (exit 1)
 
@@ -92,7 +102,7 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
 
         graphs = ("prefill", "step") if temperature <= GREEDY_EPS else ("prefill_sampling", "step_sampling")
         pair = load_engine(engine, target=target, draft=draft, random_weights=random_weights, verify=verify,
-                           preload=graphs, threads=threads)
+                           preload=graphs, threads=threads, verify_drafts=verify_drafts)
         if dtype is not None and dtype != pair.generator.manifest.dtype:
             raise click.UsageError(f"the engine was built for {pair.generator.manifest.dtype}; drop --dtype "
                                    "or rebuild the engine with that --dtype")
@@ -129,6 +139,10 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
             "tokens_per_second": tps,
             "timings": result.timings,
         }
+        if engine is not None:
+            manifest = pair.generator.manifest
+            payload["engine"] = {"weights": manifest.weights.to_dict(), "dtype": manifest.dtype,
+                                 "verify_drafts": pair.generator.verify_drafts}
         if text is not None:
             payload["text"] = text
         if trace:
@@ -142,5 +156,9 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
             if s.kept[0] is not None:
                 click.echo(f"step {i}: draft {list(s.draft_tokens[0])} accepted {s.accepted[0]} kept {s.kept[0]}",
                            err=True)
+    how = ""
+    if engine is not None:
+        gen = pair.generator
+        how = f" ({gen.manifest.weights.describe(gen.manifest.dtype)}; steps verify {gen.verify_drafts} drafts)"
     click.echo(f"\n{len(out)} tokens, mean acceptance length {result.mean_acceptance_length(0):.2f}, "
-               f"{tps:.1f} tokens/s", err=True)
+               f"{tps:.1f} tokens/s{how}", err=True)

@@ -24,9 +24,11 @@ from pathlib import Path
 
 from dlite_trt.engine.manifest import (
     BACKEND_DTYPES,
+    BACKEND_WEIGHTS,
     GRAPH_DIR,
     MANIFEST,
     Manifest,
+    WeightFormat,
     checkpoint_sha256,
     file_records,
     target_sha256,
@@ -35,6 +37,7 @@ from dlite_trt.engine.manifest import (
 from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
 from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, engine_contract
+from dlite_trt.export.int4 import ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, plan_int4, quantize_graph
 
 BACKENDS = tuple(BACKEND_DTYPES)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
@@ -43,7 +46,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".g
 @dataclass(frozen=True)
 class BuildSettings:
     backend: str = "onnxruntime"
-    dtype: str = "fp32"
+    dtype: str = "fp32"  # activations and KV cache (and every weight, unless `weights` says otherwise)
+    weights: str = "float"  # "int4": the target's projections 4-bit weight-only (export/int4.py)
+    int4_accuracy_level: int = DEFAULT_ACCURACY_LEVEL  # int4: MatMulNBits accuracy_level, 4 (and an 8-bit head) or 0
     limits: EngineLimits = EngineLimits()
     random_weights: bool = False
     workspace_gb: float = 8.0  # tensorrt: builder workspace
@@ -57,6 +62,14 @@ class BuildSettings:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.dtype not in BACKEND_DTYPES[self.backend]:
             raise ConfigError(f"the {self.backend} backend builds {BACKEND_DTYPES[self.backend]}, not {self.dtype!r}")
+        if self.weights not in BACKEND_WEIGHTS[self.backend]:
+            raise ConfigError(f"the {self.backend} backend builds {BACKEND_WEIGHTS[self.backend]} weights, not "
+                              f"{self.weights!r} (int4 runs on ONNX Runtime's MatMulNBits)")
+        if self.weights == "int4" and self.dtype != "fp32":
+            raise ConfigError(f"int4 weights run with fp32 activations, not {self.dtype}")
+        if self.int4_accuracy_level not in ACCURACY_LEVELS:
+            raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got "
+                              f"{self.int4_accuracy_level!r}")
 
 
 def package_versions() -> dict[str, str]:
@@ -136,7 +149,8 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
         backend_info = require_tensorrt()
     limits = settings.limits
     out.parent.mkdir(parents=True, exist_ok=True)
-    with stages(progress, total=2 + len(GRAPH_NAMES)) as advance:
+    int4 = settings.weights == "int4"
+    with stages(progress, total=2 + int4 + len(GRAPH_NAMES)) as advance:
         advance("loading target and draft")
         pair = load_pair(target, Path(draft), dtype=settings.dtype, random_weights=settings.random_weights,
                          progress=progress)
@@ -147,6 +161,12 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
             raise ConfigError(f"--max-seq-len {limits.max_seq_len} is past the target's max_position_embeddings="
                               f"{spec.max_position_embeddings}; lower it.")
         contract = engine_contract(spec, cfg, limits, settings.dtype)
+        plan, weights = None, WeightFormat()
+        if int4:
+            advance("int4: the target's projection matrices in 4-bit blocks (a GGUF's own, else round-to-nearest)")
+            plan = plan_int4(pair.generator.target, spec, pair.source.path, settings.int4_accuracy_level)
+            weights = WeightFormat("int4", plan.schemes, plan.origin, len(plan.matrices), plan.gguf_sha256,
+                                   plan.accuracy_level, plan.head_format)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         try:
             def graph_job(name: str) -> dict[str, str]:
@@ -154,6 +174,8 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
                 onnx_rel = f"{GRAPH_DIR}/{name}.onnx"
                 export_graph(contract[name], pair.generator.target, pair.generator.draft, tmp / onnx_rel,
                              lowering=settings.backend)
+                if plan is not None:
+                    quantize_graph(tmp / onnx_rel, plan)
                 if settings.backend == "tensorrt":
                     from dlite_trt.engine.tensorrt_build import build_plan
 
@@ -182,7 +204,7 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
                 draft_config=cfg, draft_sha256=checkpoint_sha256(Path(draft)),
                 stop_token_ids=stop_token_ids(pair.source, pair.tokenizer), graphs=graphs, contract=contract,
                 files=file_records(tmp, [str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()]),
-                versions=package_versions(),
+                versions=package_versions(), weights=weights,
                 build={"seconds": round(time.perf_counter() - started, 2), "random_weights": settings.random_weights,
                        "target": str(target), "draft": str(draft), "machine": platform.machine(), **backend_info})
             write_manifest(tmp, manifest)

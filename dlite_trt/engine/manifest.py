@@ -1,7 +1,7 @@
 """``manifest.json``: what an engine directory holds and what it was built from.
 
 The manifest makes an engine self-describing (DESIGN 2): build settings, package versions,
-the I/O contract of every graph, block size, dtype, limits, the sha256 of the target and
+the I/O contract of every graph, block size, dtype, weight format (``WeightFormat``), limits, the sha256 of the target and
 draft weights, and the size and sha256 of every file in the directory. ``load_manifest``
 refuses engines that are incomplete, corrupt, or written by an incompatible dlite-trt.
 """
@@ -17,17 +17,91 @@ from typing import Any
 
 from dlite_trt import __version__
 from dlite_trt.config import DraftConfig, TargetSpec
+from dlite_trt.dtypes import WEIGHT_FORMATS
 from dlite_trt.engine.weights import WEIGHTS_FILE
 from dlite_trt.errors import DLiteError, EngineError
 from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, GraphSpec, engine_contract
+from dlite_trt.export.int4 import ACCURACY_LEVELS, FP32_COMPUTE, HEAD_SCHEME, INT8_ACTIVATIONS
 from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TargetSource
 
 MANIFEST = "manifest.json"
 FORMAT = "dlite-trt-engine"
-FORMAT_VERSION = 2  # bump when the graph I/O or directory layout changes incompatibly
+FORMAT_VERSION = 3  # bump when the graph I/O or directory layout changes incompatibly
 GRAPH_DIR = "graphs"  # graphs/{name}.onnx, graphs/{name}.ort.onnx, graphs/weights.bin
 HASH_AT_LOAD_MAX_BYTES = 64 << 20  # files up to this size are hashed on every load; larger ones on verify
 BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16"), "tensorrt": ("fp32", "fp16", "bf16")}  # what each builds
+BACKEND_WEIGHTS = {"onnxruntime": WEIGHT_FORMATS, "tensorrt": ("float",)}  # int4: MatMulNBits, ONNX Runtime only
+
+
+WEIGHT_ORIGINS = ("gguf", "round-to-nearest")  # int4: the GGUF's own blocks, or quantized at build
+HEAD_FORMATS = ("float", HEAD_SCHEME)  # int4: the LM head in the engine's dtype, or 8-bit Q8_0 blocks
+ACCURACY_MEANING = {INT8_ACTIVATIONS: "int8 activations in the quantized matmuls (accuracy level 4)",
+                    FP32_COMPUTE: "fp32 compute in the quantized matmuls (accuracy level 0, weight-only)"}
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the engine stores its weights (``dtype`` stays the precision of the activations between
+    the matmuls and of the KV cache).
+
+    ``format`` "float": every weight in ``dtype``. "int4": the target's projection matrices in ggml
+    4-bit blocks (``schemes``, e.g. Q4_1) on ONNX Runtime's MatMulNBits, from ``origin``: the GGUF's
+    own blocks (``gguf_sha256``) or round-to-nearest at build; run at MatMulNBits ``accuracy_level``
+    4 (int8 activations per block) or 0 (fp32 compute); ``head`` "Q8_0": the LM head as 8-bit
+    blocks from the same origin (level 4 only), "float": in ``dtype``; everything else in ``dtype``.
+    An int4 record always states its accuracy level and head (``from_dict`` refuses one without:
+    an engine built one way is never read as the other)."""
+
+    format: str = "float"
+    schemes: tuple[str, ...] = ()
+    origin: str | None = None
+    matrices: int = 0  # target matrices stored int4
+    gguf_sha256: str | None = None
+    accuracy_level: int | None = None  # int4: MatMulNBits accuracy_level (export/int4.ACCURACY_LEVELS)
+    head: str = "float"  # int4: the LM head's format (HEAD_FORMATS)
+
+    def __post_init__(self) -> None:
+        if self.format not in WEIGHT_FORMATS:
+            raise EngineError(f"weight format must be one of {WEIGHT_FORMATS}, got {self.format!r}")
+        quantized = self.format != "float"
+        if not quantized == bool(self.schemes) == (self.origin is not None) == (self.matrices > 0) \
+                == (self.accuracy_level is not None):
+            raise EngineError(f"weight format {self.format!r} with schemes {self.schemes}, origin {self.origin!r}, "
+                              f"{self.matrices} matrices, accuracy level {self.accuracy_level!r} is inconsistent")
+        if self.origin is not None and self.origin not in WEIGHT_ORIGINS:
+            raise EngineError(f"weight origin must be one of {WEIGHT_ORIGINS}, got {self.origin!r}")
+        if (self.origin == "gguf") != (self.gguf_sha256 is not None):
+            raise EngineError("int4 weights from a GGUF record its sha256, and only those")
+        if self.accuracy_level is not None and self.accuracy_level not in ACCURACY_LEVELS:
+            raise EngineError(f"int4 accuracy level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level!r}")
+        if self.head not in HEAD_FORMATS or (self.head != "float" and self.accuracy_level != INT8_ACTIVATIONS):
+            raise EngineError(f"LM head format must be one of {HEAD_FORMATS}, {HEAD_SCHEME} only at accuracy level "
+                              f"{INT8_ACTIVATIONS}; got {self.head!r} at level {self.accuracy_level!r}")
+
+    def describe(self, dtype: str) -> str:
+        """``fp32`` / ``int4 weights (Q4_1 from the GGUF, exact, 210 target matrices; LM head Q8_0),
+        int8 activations in the quantized matmuls (accuracy level 4), fp32 elsewhere``."""
+        if self.format == "float":
+            return dtype
+        origin = "from the GGUF, exact" if self.origin == "gguf" else "quantized round-to-nearest at build"
+        head = f"LM head {self.head}" if self.head != "float" else f"LM head {dtype}"
+        return (f"{self.format} weights ({'/'.join(self.schemes)} {origin}, {self.matrices} target matrices; {head}), "
+                f"{ACCURACY_MEANING[self.accuracy_level]}, {dtype} elsewhere")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "schemes": list(self.schemes), "origin": self.origin,
+                "matrices": self.matrices, "gguf_sha256": self.gguf_sha256,
+                "accuracy_level": self.accuracy_level, "head": self.head}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "manifest") -> WeightFormat:
+        if data["format"] != "float" and not {"accuracy_level", "head"} <= set(data):
+            raise EngineError(f"{where}: this {data['format']} engine does not record its MatMulNBits accuracy level "
+                              "and LM head format (it was built by an earlier dlite-trt); rebuild it with "
+                              "`dlite-trt build --dtype int4`.")
+        return cls(format=data["format"], schemes=tuple(data["schemes"]), origin=data["origin"],
+                   matrices=data["matrices"], gguf_sha256=data["gguf_sha256"],
+                   accuracy_level=data.get("accuracy_level"), head=data.get("head", "float"))
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -77,6 +151,7 @@ class Manifest:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relpath -> {"bytes", "sha256"}
     versions: dict[str, str] = field(default_factory=dict)
     build: dict[str, Any] = field(default_factory=dict)
+    weights: WeightFormat = WeightFormat()
     dlite_trt_version: str = __version__
     format_version: int = FORMAT_VERSION
 
@@ -91,6 +166,7 @@ class Manifest:
             "dlite_trt_version": self.dlite_trt_version,
             "backend": self.backend,
             "dtype": self.dtype,
+            "weights": self.weights.to_dict(),
             "limits": self.limits.to_dict(),
             "block_size": self.block_size,
             "target": {"name": self.target_name, "config": self.target_spec.to_hf_config(),
@@ -110,6 +186,10 @@ class Manifest:
         if self.dtype not in BACKEND_DTYPES.get(self.backend, ()):
             raise EngineError(f"{where}: backend {self.backend!r} with dtype {self.dtype!r} is not something this "
                               f"dlite-trt runs ({BACKEND_DTYPES}). Rebuild the engine.")
+        if self.weights.format not in BACKEND_WEIGHTS.get(self.backend, ()) or (
+                self.weights.format == "int4" and self.dtype != "fp32"):
+            raise EngineError(f"{where}: a {self.backend} {self.dtype} engine with {self.weights.format} weights is not "
+                              f"something this dlite-trt runs ({BACKEND_WEIGHTS}; int4 with fp32). Rebuild the engine.")
         if set(self.graphs) != set(GRAPH_NAMES) or set(self.contract) != set(GRAPH_NAMES):
             raise EngineError(f"{where} lists graphs {sorted(self.graphs)} / contracts {sorted(self.contract)}, "
                               f"expected {list(GRAPH_NAMES)}; the manifest is corrupt. Rebuild the engine.")
@@ -147,6 +227,8 @@ class Manifest:
                 stop_token_ids=tuple(data["stop_token_ids"]), graphs=dict(data["graphs"]),
                 contract={name: GraphSpec.from_dict(name, g) for name, g in data["contract"].items()},
                 files=dict(data["files"]), versions=dict(data["versions"]), build=dict(data["build"]),
+                # absent: an engine built before weight formats, all float
+                weights=WeightFormat.from_dict(data["weights"], where) if "weights" in data else WeightFormat(),
                 dlite_trt_version=data["dlite_trt_version"], format_version=version)
             manifest.check_consistent(where)
             return manifest

@@ -1,0 +1,508 @@
+"""int4 weight-only engines: the target's projection matrices on ONNX Runtime's ``MatMulNBits``.
+
+What is quantized and what stays float (``dlite-trt build --dtype int4``):
+- int4: every ``nn.Linear`` of the target's decoder layers (q/k/v/o, gate/up/down), stored in
+  ggml's 4-bit block layouts, 32 weights per block along K (the input dim):
+    Q4_1: fp16 scale d and fp16 minimum m per block, w = d * q + m, q in 0..15
+    Q4_0: fp16 scale d per block, w = d * (q - 8)
+  A Q4_1/Q4_0 GGUF's own blocks are kept exactly (never requantized); any other target is
+  quantized round-to-nearest into Q4_1 (min/max per block, gguf's own quantizer).
+- 8-bit, at accuracy level 4 only: the LM head (tied to the embedding or not), as ``MatMulNBits``
+  bits=8 from Q8_0 blocks (fp16 scale d per 32 weights, w = d * q, q int8): a GGUF's own head
+  blocks when the file stores it as Q8_0 (SmolLM2's tied token_embd), else round-to-nearest Q8_0
+  by gguf's quantizer for a target that is no GGUF. A GGUF head of another type stays float.
+- float (the engine's dtype, fp32): the activations between the matmuls, the embedding Gather
+  (also where the draft reads the target's embedding), every norm, the projection biases, all the
+  draft's weights, and the LM head at accuracy level 0 (``MatMulNBits`` bits=8 has no fast fp32
+  kernel on ONNX Runtime's CPU provider: 364 ms for SmolLM2's [1, 576] x [576, 49152] head against
+  16 ms as a float MatMul and 9.5 ms at level 4).
+
+The accuracy level (``ACCURACY_LEVELS``, a build setting recorded in the manifest) is MatMulNBits'
+``accuracy_level`` on every quantized matmul:
+  4: the activations are quantized to int8 per block of 32 (symmetric, scale max|x| / 127) and
+     multiplied with the weights in int8: what onnxruntime-genai's CPU int4 models run. SmolLM2 on
+     2 AVX2 cores: ~0.46x the fp32 decode call with the 8-bit head, ~0.54x with a float head.
+     Error per output: at most half an int8 step of each activation block times the block's sum
+     |w| (tests/test_int4.py measures ~0.12 of that bound). That rounding also turns fp32-level
+     differences between a step call and a decode call into int8-sized ones, so greedy speculative
+     output equals target-only greedy only up to near-ties of the engine's own logits;
+  0: fp32 compute on the dequantized weights (weight-only): each output as exact as a float
+     MatMul of the same weights, other rounding; ~0.85x the fp32 decode call here.
+
+How a Q4_1 matrix runs: ``y = MatMulNBits(x; codes, d) + BlockSum(x) @ Mins``, where
+``BlockSum(x)[.., j] = sum of x[.., 32j:32j+32]`` (one float MatMul with a 0/1 matrix, computed once
+per input tensor) and ``Mins[j, n]`` the block minima: the same weights d * q + m, other rounding.
+Without a zero_points input the 4-bit kernel subtracts 8 from each code (measured ~15% faster than
+passing zero points of 0), so a Q4_1 matrix is fed with its minima shifted, m + 8 d, wherever that
+sum is exact in fp32 (d * (q - 8) + (m + 8 d) = d * q + m), and with explicit uint8 zero points of
+0 and the minima as they are otherwise. (Float zero points are not used: not every MatMulNBits
+kernel takes them, onnxruntime#28162.) A Q8_0 head is fed codes q + 128 as uint8 and no
+zero_points: the 8-bit kernel's default zero point is 128 (checked against numpy on ONNX Runtime
+1.32 by tests/test_int4.py), so it computes d * (q + 128 - 128) = d * q.
+
+The rewrite is a post-export ONNX graph surgery (``quantize_graph``): the model code is not
+touched. A matrix is found by its weight, not its name: a MatMul under ``/target/`` whose weight
+initializer holds exactly the transposed fp32 matrix (W^T, [K, N], as the TorchScript exporter
+folds it; for a tied head that is a copy of the embedding, so the Gathers keep theirs), or a
+Transpose of W. Every graph must contain every quantized matrix, or the build fails. The new
+initializers are named after the checkpoint parameter (``model.layers.0.self_attn.q_proj.weight.q4``
+/ ``.scales`` / ``.zero_points`` / ``.mins``, ``lm_head.weight.q8`` / ``.scales``) and are bytewise
+the same in every graph, so ``engine/weights.py`` stores each once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from dlite_trt.errors import ConfigError, EngineError
+
+BLOCK = 32  # weights per block along K, every ggml 4-bit type and Q8_0
+SCHEMES = ("Q4_1", "Q4_0")  # ggml types kept as they are
+HEAD_SCHEME = "Q8_0"  # the LM head's blocks, at accuracy level 4
+HEAD_NAME = "lm_head.weight"  # the LM head's parameter (tied: the same tensor as model.embed_tokens.weight)
+CONTRIB_DOMAIN = "com.microsoft"
+INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block
+FP32_COMPUTE = 0  # MatMulNBits accuracy_level: fp32 compute on the dequantized weights
+ACCURACY_LEVELS = (INT8_ACTIVATIONS, FP32_COMPUTE)
+DEFAULT_ACCURACY_LEVEL = FP32_COMPUTE  # the only level whose speculative output equals target-only's
+TARGET_SCOPE = "/target/"  # node-name prefix of the target's ops in every engine graph
+RTN = "round-to-nearest"
+GGUF = "gguf"
+
+
+# --------------------------------------------------------------------------------------------- blocks
+
+
+def _check_blocks(name: str, codes: np.ndarray, dtype: type, scales: np.ndarray) -> tuple[int, int]:
+    """codes [N, K] of ``dtype`` with K a multiple of 32 and float32 scales [N, K/32]; returns (N, K/32)."""
+    if codes.ndim != 2 or codes.dtype != dtype or codes.shape[1] % BLOCK:
+        raise ValueError(f"{name}: codes must be {np.dtype(dtype).name} [N, K] with K a multiple of {BLOCK}, got "
+                         f"{codes.dtype} {codes.shape}")
+    blocks = (codes.shape[0], codes.shape[1] // BLOCK)
+    if scales.shape != blocks or scales.dtype != np.float32:
+        raise ValueError(f"{name}: scales must be float32 {blocks}, got {scales.dtype} {scales.shape}")
+    return blocks
+
+
+@dataclass(frozen=True, eq=False)
+class Q4Blocks:
+    """One [N, K] weight matrix in a ggml 4-bit block layout (32 weights per block along K)."""
+
+    name: str  # checkpoint parameter, e.g. model.layers.0.self_attn.q_proj.weight
+    scheme: str  # Q4_1 | Q4_0
+    codes: np.ndarray  # [N, K] uint8, 0..15
+    scales: np.ndarray  # [N, K/32] float32 (fp16 values)
+    mins: np.ndarray | None  # [N, K/32] float32 (fp16 values); Q4_1 only
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"{self.name}: scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        blocks = _check_blocks(self.name, self.codes, np.uint8, self.scales)
+        if (self.mins is None) != (self.scheme == "Q4_0") or (
+                self.mins is not None and (self.mins.shape != blocks or self.mins.dtype != np.float32)):
+            raise ValueError(f"{self.name}: {self.scheme} needs {'no' if self.scheme == 'Q4_0' else 'float32'} "
+                             f"minima {blocks}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape  # [N, K]
+
+    def dequantize(self) -> np.ndarray:
+        """[N, K] float32, computed as gguf.dequantize does (the fp32 engine's weights)."""
+        n, k = self.shape
+        q = self.codes.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
+        d = self.scales[:, :, None]
+        w = d * q + self.mins[:, :, None] if self.mins is not None else d * (q - np.float32(8))
+        return w.reshape(n, k)
+
+    def permute_rows(self, order: np.ndarray) -> Q4Blocks:
+        return Q4Blocks(self.name, self.scheme, self.codes[order], self.scales[order],
+                        None if self.mins is None else self.mins[order])
+
+
+def blocks_from_ggml(name: str, scheme: str, raw: np.ndarray, shape: tuple[int, int]) -> Q4Blocks:
+    """Parse ggml blocks: ``raw`` uint8 [N, K/32 * bytes per block] as a GGUF stores them (per block:
+    fp16 d, for Q4_1 fp16 m, then 16 bytes whose low nibbles are weights 0..15, high nibbles 16..31)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"{name}: {scheme} is not one of {SCHEMES}")
+    n, k = shape
+    head = 4 if scheme == "Q4_1" else 2
+    if raw.dtype != np.uint8 or raw.shape != (n, k // BLOCK * (head + BLOCK // 2)) or k % BLOCK:
+        raise ValueError(f"{name}: {scheme} blocks of a [{n}, {k}] matrix must be uint8 "
+                         f"[{n}, {k // BLOCK * (head + BLOCK // 2)}], got {raw.dtype} {raw.shape}")
+    blocks = raw.reshape(n, k // BLOCK, head + BLOCK // 2)
+    scales = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    mins = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32) if scheme == "Q4_1" else None
+    qs = blocks[:, :, head:]  # [N, K/32, 16]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, k)  # low nibbles first
+    return Q4Blocks(name, scheme, np.ascontiguousarray(codes), scales, mins)
+
+
+def quantize_rtn(name: str, weight: np.ndarray) -> Q4Blocks:
+    """Round-to-nearest Q4_1 (min/max per block of 32), by gguf's quantizer: llama.cpp's layout."""
+    from gguf import GGMLQuantizationType, quants
+
+    if weight.ndim != 2 or weight.shape[1] % BLOCK:
+        raise ConfigError(f"--dtype int4 quantizes blocks of {BLOCK} along a matrix's input dim; {name} is "
+                          f"{tuple(weight.shape)}. Build this target with --dtype fp32.")
+    raw = quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), GGMLQuantizationType.Q4_1)
+    return blocks_from_ggml(name, "Q4_1", raw, weight.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class Q8Blocks:
+    """One [N, K] weight matrix in ggml's Q8_0 layout: per 32 weights along K an fp16 scale d and
+    32 int8 q, w = d * q (the LM head at accuracy level 4)."""
+
+    name: str  # checkpoint parameter: lm_head.weight
+    codes: np.ndarray  # [N, K] int8
+    scales: np.ndarray  # [N, K/32] float32 (fp16 values)
+
+    scheme = HEAD_SCHEME
+
+    def __post_init__(self) -> None:
+        _check_blocks(self.name, self.codes, np.int8, self.scales)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape  # [N, K]
+
+    def dequantize(self) -> np.ndarray:
+        """[N, K] float32, computed as gguf.dequantize does."""
+        n, k = self.shape
+        q = self.codes.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
+        return (q * self.scales[:, :, None]).reshape(n, k)
+
+
+def q8_blocks_from_ggml(name: str, raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:
+    """Parse Q8_0 blocks: ``raw`` uint8 [N, K/32 * 34] as a GGUF stores them (per block: fp16 d, 32 int8)."""
+    n, k = shape
+    if raw.dtype != np.uint8 or k % BLOCK or raw.shape != (n, k // BLOCK * (2 + BLOCK)):
+        raise ValueError(f"{name}: Q8_0 blocks of a [{n}, {k}] matrix must be uint8 [{n}, {k // BLOCK * (2 + BLOCK)}], "
+                         f"got {raw.dtype} {raw.shape}")
+    blocks = raw.reshape(n, k // BLOCK, 2 + BLOCK)
+    scales = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    codes = blocks[:, :, 2:].copy().view(np.int8).reshape(n, k)
+    return Q8Blocks(name, codes, scales)
+
+
+def quantize_q8_rtn(name: str, weight: np.ndarray) -> Q8Blocks:
+    """Round-to-nearest Q8_0 (max |w| / 127 per block of 32), by gguf's quantizer: llama.cpp's layout."""
+    from gguf import GGMLQuantizationType, quants
+
+    if weight.ndim != 2 or weight.shape[1] % BLOCK:
+        raise ConfigError(f"--dtype int4 stores the LM head in blocks of {BLOCK} along its input dim; {name} is "
+                          f"{tuple(weight.shape)}. Build with --int4-accuracy-level 0 (float head) or --dtype fp32.")
+    raw = quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), GGMLQuantizationType.Q8_0)
+    return q8_blocks_from_ggml(name, raw, weight.shape)
+
+
+# --------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Int4Plan:
+    """The target matrices to store int4 (and the LM head 8-bit), where their blocks came from, and
+    the MatMulNBits accuracy level they run at."""
+
+    origin: str  # GGUF: the file's own blocks; RTN: quantized at build
+    matrices: dict[str, Q4Blocks]  # parameter name -> blocks
+    keys: dict[str, str] = field(default_factory=dict)  # sha256 of the fp32 W^T bytes -> parameter name
+    gguf_sha256: str | None = None
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL
+    head: Q8Blocks | None = None  # the LM head 8-bit (accuracy level 4 only); None: it stays float
+
+    def __post_init__(self) -> None:
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level!r}")
+        if self.head is not None and self.accuracy_level != INT8_ACTIVATIONS:
+            raise ConfigError(f"an 8-bit LM head runs at accuracy level {INT8_ACTIVATIONS} only (at level "
+                              f"{self.accuracy_level} MatMulNBits bits=8 is ~20x slower than a float MatMul)")
+
+    @property
+    def schemes(self) -> tuple[str, ...]:
+        return tuple(sorted({b.scheme for b in self.matrices.values()}))
+
+    @property
+    def head_format(self) -> str:
+        return "float" if self.head is None else self.head.scheme
+
+    def blocks(self, name: str) -> Q4Blocks | Q8Blocks:
+        return self.head if self.head is not None and name == self.head.name else self.matrices[name]
+
+    @property
+    def names(self) -> set[str]:
+        """Every parameter the rewrite replaces in each graph."""
+        return set(self.matrices) | ({self.head.name} if self.head is not None else set())
+
+
+def _weight_key(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array, dtype=np.float32).tobytes()).hexdigest()
+
+
+def target_projections(target) -> dict[str, np.ndarray]:
+    """Every nn.Linear weight of the target's decoder layers, by parameter name: [N, K] float32.
+    ``target``: a TargetAdapter (or a transformers *ForCausalLM: both hold ``.model.layers``)."""
+    from torch import nn
+
+    out = {}
+    for name, module in target.model.layers.named_modules():
+        if isinstance(module, nn.Linear):
+            out[f"model.layers.{name}.weight"] = module.weight.detach().float().cpu().numpy()
+    if not out:
+        raise EngineError("the target has no projection matrices to quantize (no nn.Linear in model.layers)")
+    return out
+
+
+def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (transformers' LlamaTensorProcessor)."""
+    rows = np.arange(n_rows)
+    return rows.reshape(n_head, n_rows // n_head // 2, 2).swapaxes(2, 1).reshape(n_rows)
+
+
+def _gguf_name_map(spec):
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == spec.architecture)
+    return get_tensor_name_map(arch, spec.num_hidden_layers)
+
+
+def gguf_blocks(path: Path, spec, names: Mapping[str, tuple[int, int]]) -> dict[str, Q4Blocks]:
+    """The named target parameters' blocks as ``path`` stores them ([N, K] each, in Hugging Face
+    row order). Raises ConfigError for a tensor of a type int4 does not keep as it is."""
+    from dlite_trt.gguf_header import read_raw_tensors
+
+    name_map = _gguf_name_map(spec)
+    to_gguf = {}
+    for hf_name in names:
+        g = name_map.get_name(hf_name, try_suffixes=(".weight",))
+        if g is None:
+            raise EngineError(f"no GGUF tensor name for {hf_name} ({spec.architecture})")
+        to_gguf[hf_name] = g
+    raw = read_raw_tensors(path, to_gguf.values())
+    bad = {g: t.type_name for g, t in raw.items() if t.type_name not in SCHEMES}
+    if bad:
+        types = ", ".join(sorted(set(bad.values())))
+        raise ConfigError(
+            f"--dtype int4 keeps a GGUF's own 4-bit blocks ({', '.join(SCHEMES)}) exactly; {path.name} stores "
+            f"{len(bad)} of the target's {len(raw)} projection matrices as {types} (e.g. {next(iter(bad))}). "
+            "Use a Q4_1 or Q4_0 GGUF, pass a Hugging Face model directory (its weights are then quantized "
+            "round-to-nearest into Q4_1), or build with --dtype fp32.")
+    out = {}
+    for hf_name, g in to_gguf.items():
+        t = raw[g]
+        if t.shape != tuple(names[hf_name]):
+            raise EngineError(f"{path.name}: {g} is {t.shape}, the converted target's {hf_name} is {names[hf_name]}")
+        blocks = blocks_from_ggml(hf_name, t.type_name, t.data, t.shape)
+        if spec.architecture == "llama" and (".attn_q." in g or ".attn_k." in g):
+            heads = spec.num_attention_heads if ".attn_q." in g else spec.num_key_value_heads
+            blocks = blocks.permute_rows(_unpermute_rows(t.shape[0], heads))
+        out[hf_name] = blocks
+    return out
+
+
+def gguf_head_blocks(path: Path, spec, shape: tuple[int, int]) -> Q8Blocks | None:
+    """The LM head's blocks as ``path`` stores them ([V, H]): its ``output`` tensor, or where the file
+    has none (a tied head, as llama.cpp reads it) ``token_embd``. None where that tensor is not Q8_0:
+    the head then stays float."""
+    from dlite_trt.gguf_header import checked_header, read_raw_tensors
+
+    name_map = _gguf_name_map(spec)
+    stored = {t.name for t in checked_header(path, path.stat().st_size).tensors}
+    g = name_map.get_name(HEAD_NAME, try_suffixes=(".weight",))
+    if g not in stored:
+        g = name_map.get_name("model.embed_tokens.weight", try_suffixes=(".weight",))
+    (t,) = read_raw_tensors(path, [g]).values()
+    if t.type_name != HEAD_SCHEME:
+        return None
+    if t.shape != tuple(shape):
+        raise EngineError(f"{path.name}: {g} is {t.shape}, the converted target's {HEAD_NAME} is {tuple(shape)}")
+    return q8_blocks_from_ggml(HEAD_NAME, t.data, t.shape)
+
+
+def plan_int4(target, spec, target_dir: Path | None, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> Int4Plan:
+    """What ``--dtype int4`` stores for a target: a GGUF conversion's own blocks (checked to
+    dequantize bit for bit to the converted fp32 weights), else round-to-nearest Q4_1; at accuracy
+    level 4 also the LM head as Q8_0 (the GGUF's own where it stores Q8_0, else round-to-nearest,
+    and float for a GGUF head of another type)."""
+    from dlite_trt.gguf_import import gguf_origin, read_import_record
+
+    if accuracy_level not in ACCURACY_LEVELS:
+        raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got {accuracy_level!r}")
+    weights = target_projections(target)
+    keys = {_weight_key(w.T): name for name, w in weights.items()}
+    head_weight = None  # [V, H]
+    if accuracy_level == INT8_ACTIVATIONS:
+        head_weight = target.lm_head.weight.detach().float().cpu().numpy()
+        keys[_weight_key(head_weight.T)] = HEAD_NAME
+    gguf_file = gguf_origin(target_dir) if target_dir is not None else None
+    if gguf_file is None:
+        head = quantize_q8_rtn(HEAD_NAME, head_weight) if head_weight is not None else None
+        return Int4Plan(RTN, {n: quantize_rtn(n, w) for n, w in weights.items()}, keys,
+                        accuracy_level=accuracy_level, head=head)
+    matrices = gguf_blocks(gguf_file, spec, {n: w.shape for n, w in weights.items()})
+    head = gguf_head_blocks(gguf_file, spec, head_weight.shape) if head_weight is not None else None
+    converted = dict(weights) | ({HEAD_NAME: head_weight} if head is not None else {})
+    for name, blocks in [*matrices.items(), *([(HEAD_NAME, head)] if head is not None else [])]:
+        if not np.array_equal(blocks.dequantize(), converted[name]):
+            raise EngineError(f"the {blocks.scheme} blocks of {name} in {gguf_file} do not dequantize to the weights "
+                              f"converted from it in {target_dir}; delete that directory (the conversion cache) "
+                              "and build again.")
+    if head is None:
+        keys = {k: n for k, n in keys.items() if n != HEAD_NAME}
+    return Int4Plan(GGUF, matrices, keys, read_import_record(target_dir)["sha256"], accuracy_level, head)
+
+
+# --------------------------------------------------------------------------------------------- ONNX inputs
+
+
+@dataclass(frozen=True)
+class NBitsTensors:
+    """What one Q4Blocks matrix becomes in a graph (MatMulNBits' own layout)."""
+
+    qweight: np.ndarray  # [N, K/32, 16] uint8: byte j holds codes 2j (low nibble) and 2j+1
+    scales: np.ndarray  # [N * K/32] float32
+    zero_points: np.ndarray | None  # [N * ceil(K/64)] uint8 zeros; None: the kernel's default 8
+    mins: np.ndarray | None  # [K/32, N] float32, added through BlockSum(x) @ mins
+
+
+def nbits_tensors(blocks: Q4Blocks) -> NBitsTensors:
+    n, k = blocks.shape
+    kb = k // BLOCK
+    pairs = blocks.codes.reshape(n, kb, BLOCK // 2, 2)
+    qweight = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+    scales = blocks.scales.reshape(-1)
+    if blocks.mins is None:  # Q4_0: d * (q - 8), the kernel's default zero point
+        return NBitsTensors(qweight, scales, None, None)
+    shifted = blocks.mins + np.float32(8) * blocks.scales
+    exact = np.array_equal(shifted.astype(np.float64),
+                           blocks.mins.astype(np.float64) + 8.0 * blocks.scales.astype(np.float64))
+    if exact:
+        return NBitsTensors(qweight, scales, None, np.ascontiguousarray(shifted.T))
+    zero_points = np.zeros(n * -(-kb // 2), np.uint8)
+    return NBitsTensors(qweight, scales, zero_points, np.ascontiguousarray(blocks.mins.T))
+
+
+def q8_nbits_tensors(blocks: Q8Blocks) -> NBitsTensors:
+    """A Q8_0 matrix for MatMulNBits bits=8: codes q + 128 as uint8 [N, K/32, 32], the kernel's
+    default zero point 128 (no zero_points input), no minima."""
+    n, k = blocks.shape
+    codes = (blocks.codes.astype(np.int16) + 128).astype(np.uint8).reshape(n, k // BLOCK, BLOCK)
+    return NBitsTensors(codes, blocks.scales.reshape(-1), None, None)
+
+
+def reference_matmul(x: np.ndarray, blocks: Q4Blocks | Q8Blocks) -> np.ndarray:
+    """x [.., K] @ W^T with W = the blocks' weights, in float64: the truth the graphs are checked against."""
+    return x.astype(np.float64) @ blocks.dequantize().astype(np.float64).T
+
+
+def block_sum_matrix(k: int) -> np.ndarray:
+    """[K, K/32] float32: x @ E sums each block of 32 of x."""
+    e = np.zeros((k, k // BLOCK), np.float32)
+    e[np.arange(k), np.arange(k) // BLOCK] = 1.0
+    return e
+
+
+# --------------------------------------------------------------------------------------------- the rewrite
+
+
+def _matched_weight(node: onnx.NodeProto, inits: dict, producers: dict, plan: Int4Plan,
+                    shapes: set[tuple[int, int]]) -> str | None:
+    """The plan's parameter whose W^T is ``node``'s second input, or None."""
+    w = node.input[1]
+    if w in inits:
+        t = inits[w]
+        if tuple(t.dims) in {(k, n) for n, k in shapes}:
+            return plan.keys.get(_weight_key(numpy_helper.to_array(t)))
+        return None
+    src = producers.get(w)
+    if src is not None and src.op_type == "Transpose" and src.input[0] in inits:
+        perm = next((list(a.ints) for a in src.attribute if a.name == "perm"), [1, 0])
+        t = inits[src.input[0]]
+        if perm == [1, 0] and tuple(t.dims) in shapes:
+            return plan.keys.get(_weight_key(numpy_helper.to_array(t).T))
+    return None
+
+
+def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str) -> int:
+    """Replace every target projection MatMul of ``model`` (weights loaded) by its int4 form, and
+    the LM head's by its 8-bit form where the plan has one, in place; returns how many MatMuls.
+    Raises EngineError unless every matrix of the plan was found."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    shapes = {plan.blocks(name).shape for name in plan.names}
+    added: dict[str, onnx.TensorProto] = {}
+    block_sums: dict[str, str] = {}  # activation -> its BlockSum output
+    found: dict[str, int] = {}
+    nodes = []
+    for node in graph.node:
+        name = _matched_weight(node, inits, producers, plan, shapes) \
+            if node.op_type == "MatMul" and node.name.startswith(TARGET_SCOPE) else None
+        if name is None:
+            nodes.append(node)
+            continue
+        found[name] = found.get(name, 0) + 1
+        blocks = plan.blocks(name)
+        n, k = blocks.shape
+        head = isinstance(blocks, Q8Blocks)
+        t = q8_nbits_tensors(blocks) if head else nbits_tensors(blocks)
+        scope = node.name.rsplit("/", 1)[0]  # /target/q_proj_1
+        x, y = node.input[0], node.output[0]
+        inputs = [x, f"{name}.{'q8' if head else 'q4'}", f"{name}.scales"]
+        added[inputs[1]] = numpy_helper.from_array(t.qweight, inputs[1])
+        added[inputs[2]] = numpy_helper.from_array(t.scales, inputs[2])
+        if t.zero_points is not None:
+            inputs.append(f"{name}.zero_points")
+            added[inputs[3]] = numpy_helper.from_array(t.zero_points, inputs[3])
+        out = y if t.mins is None else f"{scope}/MatMulNBits_output_0"
+        nodes.append(helper.make_node("MatMulNBits", inputs, [out], name=f"{scope}/MatMulNBits",
+                                      domain=CONTRIB_DOMAIN, K=k, N=n, bits=8 if head else 4, block_size=BLOCK,
+                                      accuracy_level=plan.accuracy_level))
+        if t.mins is not None:
+            if x not in block_sums:
+                e = f"int4.block_sum.{k}"
+                added.setdefault(e, numpy_helper.from_array(block_sum_matrix(k), e))
+                block_sums[x] = f"{scope}/block_sum_output_0"
+                nodes.append(helper.make_node("MatMul", [x, e], [block_sums[x]], name=f"{scope}/block_sum"))
+            added[f"{name}.mins"] = numpy_helper.from_array(t.mins, f"{name}.mins")
+            nodes.append(helper.make_node("MatMul", [block_sums[x], f"{name}.mins"], [f"{scope}/mins_output_0"],
+                                          name=f"{scope}/mins"))
+            nodes.append(helper.make_node("Add", [out, f"{scope}/mins_output_0"], [y], name=f"{scope}/add_mins"))
+    missing = sorted(plan.names - set(found))
+    if missing:
+        raise EngineError(f"{where}: {len(missing)} of the target's {len(plan.names)} quantized matrices were not "
+                          f"found as a MatMul weight under {TARGET_SCOPE} (e.g. {missing[0]}); the exported graph "
+                          "has a form the int4 rewrite does not know.")
+    consumed = {i for node in nodes for i in node.input} | {o.name for o in graph.output}
+    # a Transpose of W that only fed a replaced MatMul (the Transpose form of _matched_weight) goes too
+    nodes = [n for n in nodes if n.op_type != "Transpose" or any(o in consumed for o in n.output)
+             or not all(i in inits for i in n.input)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {i for node in graph.node for i in node.input} | {o.name for o in graph.output}
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept + list(added.values()))
+    if not any(o.domain == CONTRIB_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
+    return sum(found.values())
+
+
+def quantize_graph(path: Path, plan: Int4Plan) -> int:
+    """Rewrite an exported graph file (``path`` + its external ``path.data``) in place."""
+    path = Path(path)
+    model = onnx.load(str(path))  # with its external data
+    count = quantize_model(model, plan, str(path))
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)  # onnx appends to an existing data file
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+    return count
