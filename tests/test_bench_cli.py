@@ -58,7 +58,8 @@ def test_every_method_is_lossless_and_measured(run):
         methods = w["methods"]
         assert list(methods) == ["ar", "dlite", "ngram", "reference"]
         for method, s in methods.items():
-            assert s["lossless"] == {"checked": s["requests"], "mismatches": 0, "first": []}, (name, method)
+            assert s["lossless"] == {"checked": s["requests"], "mismatches": 0, "first": [], "expected_identical": True,
+                                     "divergence_index": {}}, (name, method)
             assert s["output_tokens"] == methods["ar"]["output_tokens"]  # EOS ignored: same lengths
         assert methods["ar"]["mean_acceptance_length"] == 1.0 and methods["ar"]["speedup_over_ar"] == 1.0
         assert methods["ar"]["draft_tokens_proposed"] == 0

@@ -109,7 +109,11 @@ def test_mismatches_are_counted():
 
     baseline = [record("a", 0, [[1, 2]]), record("a", 1, [[3]]), record("b", 0, [[4, 5]])]
     same = [record("a", 0, [[1, 2]]), record("a", 1, [[3]]), record("b", 0, [[4, 5]])]
-    assert _mismatches(same, baseline) == {"checked": 3, "mismatches": 0, "first": []}
+    assert _mismatches(same, baseline) == {"checked": 3, "mismatches": 0, "first": [], "expected_identical": True,
+                                           "divergence_index": {}}
     off = [record("a", 0, [[1, 2]]), record("a", 1, [[9]]), record("b", 0, [[4, 5]])]
-    assert _mismatches(off, baseline) == {"checked": 3, "mismatches": 1, "first": ["a/turn 1"]}
+    assert _mismatches(off, baseline) == {"checked": 3, "mismatches": 1, "first": ["a/turn 1"], "expected_identical": True,
+                                          "divergence_index": {"a/turn 1": 0}}
+    longer = [record("a", 0, [[1, 2, 7]]), record("a", 1, [[3]]), record("b", 0, [[4, 6]])]
+    assert _mismatches(longer, baseline, exact=False)["divergence_index"] == {"a/turn 0": 2, "b/turn 0": 1}
     assert _mismatches(off, None)["mismatches"] is None

@@ -1,17 +1,19 @@
 """The decoding methods `dlite-trt bench` runs side by side, each behind one small interface.
 
 ``start(prompts)`` opens a live batch; the returned ``Run`` extends it with a new turn and
-streams a generation (``StepEvent``s). Every method decodes with the same target in the same
-runtime, so the differences measured are the drafting method's alone.
+streams a generation (``StepEvent``s). Our methods decode with the same target in the same
+runtime, so the differences measured are the drafting method's alone; peer methods
+(bench/peers.py) are other libraries on the same target, behind the same interface.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dlite_trt.bench.names import METHOD_NAMES, METHOD_TITLES, check_names
+from dlite_trt.bench.names import METHOD_NAMES, METHOD_TITLES, PEER_NAMES, check_names
 from dlite_trt.runtime.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
 from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent
 from dlite_trt.runtime.stats import StageTimer
@@ -63,6 +65,25 @@ class _DLite(Run):
         return self.session.batch_size * (ids + pivots)
 
 
+class _DLiteLookup(_DLite):
+    """DLite whose step verifies n-gram prompt lookup's proposal instead of the draft's where the
+    lookup finds a match (``EngineSession.stream(lookup=...)``); greedy, engine only."""
+
+    def __init__(self, session: SessionBase, cfg: PromptLookupConfig) -> None:
+        super().__init__(session)
+        self.drafter = PromptLookupDrafter(session.batch_size, cfg)
+
+    def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
+        return self.session.stream(params, timer, lookup=self.drafter)
+
+    @property
+    def draft_context_tokens(self) -> int:
+        return self.drafter.context_tokens
+
+    def draft_state_bytes(self) -> int:
+        return super().draft_state_bytes() + self.drafter.state_bytes()
+
+
 class _Ngram(Run):
     def __init__(self, session: SessionBase, cfg: PromptLookupConfig) -> None:
         super().__init__(session)
@@ -85,6 +106,9 @@ class Method:
     generator: Any  # an EngineGenerator, or the PyTorch reference SpeculativeGenerator
     ngram: PromptLookupConfig | None = None
 
+    peer_method = False  # ours: any batch size the engine takes
+    exact = True  # its greedy tokens must equal target-only decoding's
+
     @property
     def title(self) -> str:
         return METHOD_TITLES[self.name]
@@ -95,10 +119,33 @@ class Method:
             return _TargetOnly(session)
         if self.name == "ngram":
             return _Ngram(session, self.ngram or PromptLookupConfig())
+        if self.name == "dlite-ngram":
+            return _DLiteLookup(session, self.ngram or PromptLookupConfig())
         return _DLite(session)
 
 
 def make_methods(names: Sequence[str], engine: Any, reference: Any | None = None,
-                 ngram: PromptLookupConfig | None = None) -> list[Method]:
+                 ngram: PromptLookupConfig | None = None, *, log: Callable[[str], None] | None = None) -> list:
+    """The methods named, in order: ours (``Method``) and the peers that can run here
+    (``peers.PeerMethod``, on the engine's target, with the engine's --threads); a peer that
+    cannot (its library missing) is left out, with a line saying why (``log``: stderr)."""
     check_names(names, METHOD_NAMES, "methods")
-    return [Method(n, reference if n == "reference" else engine, ngram) for n in names]
+    ngram = ngram or PromptLookupConfig()
+    peers: dict[str, Any] = {}
+    if any(n in PEER_NAMES for n in names):
+        from dlite_trt.bench.peers import make_peer_methods
+
+        log = log or (lambda line: print(line, file=sys.stderr))
+        threads = getattr(getattr(engine, "runner", None), "threads", None)
+        peers = {m.name: m for m in make_peer_methods(names, engine.manifest, threads=threads, lookup=ngram, log=log)}
+    return [peers[n] if n in PEER_NAMES else Method(n, reference if n == "reference" else engine, ngram)
+            for n in names if n not in PEER_NAMES or n in peers]
+
+
+def skipped_methods(names: Sequence[str], manifest: Any) -> dict[str, str]:
+    """The methods named that ``make_methods`` leaves out, with why (for the report)."""
+    if not any(n in PEER_NAMES for n in names):
+        return {}
+    from dlite_trt.bench.peers import skipped_peers
+
+    return skipped_peers(names, manifest.target_name)

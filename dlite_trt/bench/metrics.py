@@ -76,6 +76,17 @@ def measure(events: Iterable[StepEvent], record: RequestRecord,
     return record
 
 
+def first_difference(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> int | None:
+    """The first output index where two requests' tokens differ (over the batch's rows; a shorter
+    output differs where it ends), or None when they are equal."""
+    indexes = []
+    for a, b in zip(got, want, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        if n < max(len(a), len(b)):
+            indexes.append(n)
+    return min(indexes, default=None)
+
+
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return {f"p{p}": None for p in PERCENTILES}
@@ -91,6 +102,8 @@ def add_speedups(rows: dict[str, dict], baseline: str = "ar") -> None:
         row["speedup_over_ar"] = row["tokens_per_second"] / base["tokens_per_second"]
         if row.get("decode_tokens_per_second") and base.get("decode_tokens_per_second"):
             row["decode_speedup_over_ar"] = row["decode_tokens_per_second"] / base["decode_tokens_per_second"]
+        if row.get("mean_step_s") and base.get("mean_step_s"):  # decode speedup ~ AL / this
+            row["step_time_over_ar"] = row["mean_step_s"] / base["mean_step_s"]
 
 
 def summarize(records: Sequence[RequestRecord], max_step_tokens: int) -> dict:
@@ -110,6 +123,7 @@ def summarize(records: Sequence[RequestRecord], max_step_tokens: int) -> dict:
         "tokens_per_second": tokens / seconds if seconds else None,
         "decode_tokens_per_second": decode_tokens / decode_s if decode_s else None,
         "mean_acceptance_length": sum(steps) / len(steps) if steps else None,
+        "mean_step_s": decode_s / len(steps) if steps else None,  # wall time of a decode-phase step (host work in)
         "acceptance_histogram": {str(n): histogram.get(n, 0) for n in range(1, max_step_tokens + 1)},
         "steps": len(steps),
         "draft_tokens_proposed": proposed,

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dlite_trt.bench import context_cost
-from dlite_trt.bench.methods import make_methods
-from dlite_trt.bench.names import WORKLOAD_NAMES, check_names
+from dlite_trt.bench.methods import make_methods, skipped_methods
+from dlite_trt.bench.names import WORKLOAD_NAMES, check_names, default_methods
 from dlite_trt.bench.report import SCHEMA, goals
 from dlite_trt.bench.run import (
     batch_sweep,
@@ -47,15 +47,15 @@ Phase = Callable[[str, int], Callable[[], None]]  # (description, total) -> adva
 class BenchSettings:
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     datasets: tuple[Path, ...] = ()  # user JSONL files: each is a workload named after the file
-    methods: tuple[str, ...] = ("ar", "dlite", "ngram")
+    methods: tuple[str, ...] = ()  # (): ``names.default_methods`` for the engine's weights
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    sweep_tokens: int = 128
+    sweep_tokens: int = 64
     sweep_rounds: int = 2
     contexts: tuple[int, ...] = (256, 2048, 8192, 16384)
-    context_steps: int = 64
-    context_rounds: int = 3
-    profile_runs: int = 60
-    call_runs: int = 100
+    context_steps: int = 32
+    context_rounds: int = 2
+    profile_runs: int = 30
+    call_runs: int = 50
     seed: int = 0
     ngram: PromptLookupConfig = field(default_factory=PromptLookupConfig)
     quick: bool = False
@@ -64,7 +64,7 @@ class BenchSettings:
     def quick_run(cls, **overrides: Any) -> BenchSettings:
         """About a minute on a laptop CPU with the bundled models: fewer, shorter tasks and samples."""
         return replace(cls(batch_sizes=(1, 4), sweep_tokens=32, sweep_rounds=1, contexts=(256, 16384),
-                           context_steps=32, context_rounds=1, profile_runs=30, call_runs=40, quick=True), **overrides)
+                           context_steps=16, context_rounds=1, profile_runs=20, call_runs=20, quick=True), **overrides)
 
 
 def fit_lengths(lengths: Sequence[int], max_seq_len: int) -> tuple[list[int], list[int]]:
@@ -87,11 +87,11 @@ def default_workloads(names: Sequence[str], tokenizer: Any, *, seed: int, quick:
     if long_lengths is None:
         long_lengths = QUICK_LONG_CONTEXT_TOKENS if quick else LONG_CONTEXT_TOKENS
     makers = {
-        "agentic": lambda: agentic(files, seed=seed, sessions=1 if quick else 4, turns=3 if quick else 5),
+        "agentic": lambda: agentic(files, seed=seed, sessions=1 if quick else 2, turns=2 if quick else 4),
         "long-context": lambda: long_context(files, tokenizer, seed=seed, lengths=long_lengths,
                                              answer_tokens=LONG_CONTEXT_ANSWER_TOKENS),
-        "chat": lambda: chat(files, seed=seed, count=2 if quick else 6,
-                             answer_tokens=(64, 96) if quick else (192, 320)),
+        "chat": lambda: chat(files, seed=seed, count=2 if quick else 4,
+                             answer_tokens=(48, 64) if quick else (128, 128)),
     }
     check_names(names, WORKLOAD_NAMES, "workloads")
     return {name: makers[name]() for name in names}
@@ -119,6 +119,7 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
     if not workloads:
         raise DLiteError("no workloads to run; pass --workloads or --dataset FILE.")
     prepared = prepare(workloads, loaded.tokenizer, manifest.limits.max_seq_len)
+    settings = replace(settings, methods=settings.methods or default_methods(manifest.weights.format, settings.quick))
     methods = make_methods(settings.methods, engine, reference, settings.ngram)
 
     spec = manifest.target_spec
@@ -128,10 +129,13 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
                               "machine": machine(threads), "versions": {"engine_built_with": manifest.versions,
                                                                         "running": package_versions()},
                               "engine": {"backend": manifest.backend, "dtype": manifest.dtype,
+                                         "weights": manifest.weights.to_dict(),
                                          "limits": asdict(manifest.limits), "target": manifest.target_name,
-                                         "block_size": manifest.draft_config.block_size},
+                                         "block_size": manifest.draft_config.block_size,
+                                         "verify_drafts": engine.verify_drafts,
+                                         "verify_width": _calibration(engine)},
                               "settings": settings_json(settings), "workloads": {},
-                              "workloads_skipped": {}}
+                              "workloads_skipped": {}, "methods_skipped": skipped_methods(settings.methods, manifest)}
     if "long-context" in settings.workloads and long_skipped:
         report["workloads_skipped"]["long-context"] = {
             "prompt_tokens": long_skipped, "prompt_tokens_run": long_lengths,
@@ -147,7 +151,9 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
                                      "context_tokens_max": max(p.longest for p in tasks), "methods": summary}
 
     fits = [b for b in settings.batch_sizes if b <= manifest.limits.max_batch]
-    sweep_methods = [m for m in methods if m.name != "reference"]  # one runtime: the engine's
+    sweep_methods = [m for m in methods if m.name != "reference" and not m.peer_method]  # the engine's
+    report["batch_sweep_methods_left_out"] = {m.name: "peer methods decode one sequence at a time"
+                                              for m in methods if m.peer_method}
     if fits and sweep_methods:  # first turns of the workload with the shortest prompts, cut to SWEEP_PROMPT_TOKENS
         tasks = min(prepared.values(), key=lambda ts: sum(len(p.turns[0]) for p in ts) / len(ts))
         prompts = [p.turns[0][-SWEEP_PROMPT_TOKENS:] for p in tasks]
@@ -175,6 +181,7 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
         cost["call_times"] = context_cost.call_times(engine, contexts, runs=settings.call_runs, progress=advance)
         if profiled:
             cost["step_profile"] = context_cost.step_profile(engine.runner.engine_dir, contexts,
+                                                             drafts=engine.verify_drafts,
                                                              runs=settings.profile_runs, threads=threads,
                                                              progress=advance)
         else:
@@ -204,6 +211,15 @@ def _draft_shares(report: dict, contexts: Sequence[int]) -> None:
                     s["draft_share"] = min(draft_ms / calls[str(ctx)]["step_call_ms"], 1.0)
                     s["draft_share_source"] = (f"(step call - verify-only call) at context {min(contexts)} / "
                                                f"step call at context {ctx}")
+
+
+def _calibration(engine: Any) -> dict | None:
+    """The engine's verify-width calibration (the curve its k was chosen from), if it has one."""
+    from dlite_trt.runtime import verify_width
+
+    engine_dir = getattr(engine.runner, "engine_dir", None)
+    choice = None if engine_dir is None else verify_width.load(engine_dir, engine.cfg.num_proposals)
+    return None if choice is None else choice.to_dict()
 
 
 def settings_json(settings: BenchSettings) -> dict:

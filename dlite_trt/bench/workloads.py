@@ -32,11 +32,11 @@ from typing import Any
 from dlite_trt.errors import DLiteError
 from dlite_trt.jsonl import json_lines
 
-LONG_CONTEXT_TOKENS = (2048, 4096, 8192, 16384)
-QUICK_LONG_CONTEXT_TOKENS = (2048, 16384)
+LONG_CONTEXT_TOKENS = (2048, 8192)  # 8192 runs at the longest an engine allows below it
+QUICK_LONG_CONTEXT_TOKENS = (2048,)
 LONG_CONTEXT_ANSWER_TOKENS = (32, 64)  # answer length range of a long-context task
 LONG_CONTEXT_MIN_TOKENS = 512  # a "long" prompt is at least this long
-_DEF = re.compile(r"^\s*def (\w+)\(", re.M)
+_DEF = re.compile(r"^\s*def (\w+)\(", re.MULTILINE)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import click
 
-from dlite_trt.bench.names import METHOD_NAMES, WORKLOAD_NAMES, check_names
-from dlite_trt.cli.inputs import check_engine_dir
+from dlite_trt.bench.names import (
+    DEFAULT_PEERS,
+    METHOD_NAMES,
+    PEER_NAMES,
+    WORKLOAD_NAMES,
+    check_names,
+)
+from dlite_trt.cli.inputs import VERIFY_DRAFTS, check_engine_dir
 from dlite_trt.errors import DLiteError
 
 BUILD_MAX_SEQ_LEN = 16384 + 256  # what an engine built here for the bench holds: the longest workload
@@ -44,8 +50,13 @@ def _names(value: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]
               help="Generated workloads to run (comma-separated; '' for none).")
 @click.option("--dataset", "datasets", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
               help="Your own JSONL dataset (task_id, prompt or input_ids, output_tokens, turns); repeatable.")
-@click.option("--methods", default="ar,dlite,ngram", show_default=True,
-              help=f"Methods side by side, from: {', '.join(METHOD_NAMES)} (reference = the PyTorch generator).")
+@click.option("--methods", default="auto", show_default=True,
+              help=f"Methods side by side: auto (ar, dlite, ngram, dlite-ngram and, without --quick, the peers for "
+                   f"the engine's weights: "
+                   f"{', '.join(DEFAULT_PEERS['float'])} for a float engine, {', '.join(DEFAULT_PEERS['int4'])} "
+                   f"for an int4 one), or from: {', '.join(METHOD_NAMES)} (reference = the PyTorch generator; "
+                   f"{', '.join(PEER_NAMES)}: other libraries on the same target, batch 1, skipped with a line "
+                   "saying why where not installed; see docs/bench.md, Peers).")
 @click.option("--batch-sizes", default="1,2,4,8", show_default=True, help="Batch sweep sizes [--quick: 1,4].")
 @click.option("--contexts", default="256,2048,8192,16384", show_default=True,
               help="Context lengths for step cost vs context [--quick: 256,16384].")
@@ -54,18 +65,30 @@ def _names(value: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]
 @click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads (default: one per core).")
 @click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1), help="Longest n-gram matched.")
 @click.option("--ngram-min", default=2, show_default=True, type=click.IntRange(min=1), help="Shortest n-gram matched.")
+@VERIFY_DRAFTS
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 def command(engine: Path | None, target: str | None, draft: Path | None, out: Path, workloads: str,
             datasets: tuple[Path, ...], methods: str, batch_sizes: str, contexts: str, quick: bool, seed: int,
-            threads: int | None, ngram_max: int, ngram_min: int, no_plots: bool) -> None:
+            threads: int | None, ngram_max: int, ngram_min: int, verify_drafts: int | str, no_plots: bool) -> None:
     """Benchmark DLite against target-only decoding and n-gram prompt lookup on agentic,
     long-context and chat workloads, in one process on one engine. Writes OUT/bench.json, the
     plots and the workloads as JSONL; prints the tables."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
     from transformers.utils import logging as hf_logging
 
-    from dlite_trt.bench.report import print_tables, write_json, write_plots, write_records
+    from dlite_trt.bench.report import (
+        print_tables,
+        write_json,
+        write_plots,
+        write_records,
+    )
     from dlite_trt.bench.suite import BenchSettings, run_bench
     from dlite_trt.bench.workloads import write_jsonl
     from dlite_trt.bundled import check_pair_options, pair_or_default
@@ -76,8 +99,8 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
     if ngram_min > ngram_max:
         raise click.BadParameter(f"--ngram-min {ngram_min} is above --ngram-max {ngram_max}",
                                  param_hint="'--ngram-min'")
-    method_names = _names(methods, METHOD_NAMES, "'--methods'")
-    if not method_names:
+    method_names = () if methods == "auto" else _names(methods, METHOD_NAMES, "'--methods'")
+    if not method_names and methods != "auto":
         raise click.BadParameter("name at least one method", param_hint="'--methods'")
     options = dict(workloads=_names(workloads, WORKLOAD_NAMES, "'--workloads'"), datasets=datasets,
                    methods=method_names, seed=seed, ngram=PromptLookupConfig(max_ngram=ngram_max, min_ngram=ngram_min))
@@ -101,6 +124,9 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
                          BuildSettings(limits=EngineLimits(max_batch=8, max_seq_len=BUILD_MAX_SEQ_LEN, max_chunk=512),
                                        fit_seq_len_to_target=True),
                          progress=False)
+            from dlite_trt.bench.calibrate import calibrate_engine
+
+            console.print(calibrate_engine(engine, threads=threads)[1])
     else:
         check_engine_dir(engine, hint=", or leave out --engine to build one here")
 
@@ -114,7 +140,7 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
         check_target, check_draft = pair_or_default(target, draft)
         reference = load_pair(check_target, check_draft).generator
     loaded = load_engine(engine, target=check_target, draft=check_draft, threads=threads,
-                         preload=("prefill", "step", "decode"))
+                         preload=("prefill", "step", "decode"), verify_drafts=verify_drafts)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
         def phase(description: str, total: int):
