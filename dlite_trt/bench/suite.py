@@ -50,10 +50,10 @@ class BenchSettings:
     methods: tuple[str, ...] = ()  # (): ``names.default_methods`` for the engine's weights
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     sweep_tokens: int = 64
-    sweep_rounds: int = 2
+    sweep_rounds: int = 1
     contexts: tuple[int, ...] = (256, 2048, 8192, 16384)
     context_steps: int = 32
-    context_rounds: int = 2
+    context_rounds: int = 1
     profile_runs: int = 30
     call_runs: int = 50
     seed: int = 0
