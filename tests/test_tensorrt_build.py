@@ -46,7 +46,8 @@ def test_optimization_profile_covers_the_limits():
     limits = EngineLimits(max_batch=6, max_seq_len=300, max_chunk=64)
     contract = engine_contract(spec, cfg, limits, "fp32")
     step = profile_shapes(contract["step"])
-    assert step["block"][0] == (1, 8) and step["block"][2] == (6, 8)
+    assert step["block"][0] == (1, 2) and step["block"][2] == (6, 8)  # the greedy step verifies 1..K drafts
+    assert profile_shapes(contract["step_sampling"])["block"][0] == (1, 8)  # sampling: all K
     assert step["group_prefix"][2] == (6, 3)
     kv = step["past_key.0"]
     assert kv[0][0] == 1 and kv[2][0] == 6 and kv[2][2] == cache_capacity_max(limits, 8) >= 300 + 8

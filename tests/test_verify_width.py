@@ -55,7 +55,7 @@ def test_choice_is_exact(curve, costs, want):
     choice = verify_width.choose(costs, curve, decode_ms=1.0)
     assert choice.drafts == want
     rows = choice.rows()
-    assert max(rows, key=lambda k: rows[k]["tokens_per_ms"]) == want
+    assert rows[want]["tokens_per_step"] == pytest.approx(1 + sum(curve[:want]))
     assert rows[want]["speedup_over_decode"] == pytest.approx(rows[want]["tokens_per_step"] / costs[want])
 
 
@@ -125,6 +125,13 @@ def test_calibration_file_is_used_and_checked(bigram, tmp_path):
             open_engine(engine_dir)
         path.write_text(json.dumps(forced.to_dict() | {"acceptance_at_least": [0.5]}))
         with pytest.raises(EngineError, match="calibrate"):
+            open_engine(engine_dir)
+        for bad in ({"step_ms": []}, {"step_ms": 3}, {"drafts": 2.7}, {"drafts": True}):
+            path.write_text(json.dumps(forced.to_dict() | bad))
+            with pytest.raises(EngineError, match="corrupt"):
+                open_engine(engine_dir)
+        path.write_text("[1, 2]")
+        with pytest.raises(EngineError, match="corrupt"):
             open_engine(engine_dir)
     finally:
         path.unlink()

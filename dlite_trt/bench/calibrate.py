@@ -2,8 +2,9 @@
 
 Two measurements, each on the engine itself:
 - the acceptance curve P(n >= i): greedy generations at full width on calibration prompts
-  (by default code and coding requests made from the held-out standard-library sources, the
-  kind of traffic `dlite-trt bench` runs; pass your own prompts for your traffic);
+  (by default code continuations and coding requests, the latter through the chat template as
+  a chat client sends them, made from the held-out standard-library sources: the kind of text
+  `dlite-trt bench` runs, other functions; pass your own prompts for your traffic);
 - the cost of a step call at every width k + 1 (k = 1..K) and of a one-token decode call,
   after ``context`` cached tokens, in bursts of one shape (as decoding runs), bursts
   interleaved across widths so load bursts on a shared machine hit every width alike.
@@ -80,6 +81,9 @@ def calibrate(gen: EngineGenerator, prompts: Sequence[Sequence[int]], *, new_tok
     if "verify" not in {d.name for d in gen.manifest.contract["step"].dims}:
         raise DLiteError("this engine's step graph verifies a fixed block; rebuild it with this dlite-trt.")
     longest = gen.manifest.limits.max_seq_len
+    if longest < 4 * gen.cfg.block_size:
+        raise DLiteError(f"the engine's --max-seq-len {longest} is too short to calibrate a verify width on (it needs "
+                         f"{4 * gen.cfg.block_size}); pass --no-calibrate to the build, or --verify-drafts N.")
     new_tokens = min(new_tokens, longest // 2)
     prompts = [list(p)[-(longest - new_tokens):] for p in prompts]  # each prompt's end, within the engine
     context = max(1, min(context, longest - 2 * gen.cfg.block_size))

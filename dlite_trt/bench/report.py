@@ -203,10 +203,14 @@ def print_tables(report: dict, console: Any) -> None:
 
 def _print_verify_width(engine: dict, console: Any) -> None:
     """The drafts a DLite step verified, and the calibration curve that k came from."""
-    choice = engine.get("verify_width")
-    console.print(f"DLite steps verify {engine['verify_drafts']} of the draft's {engine['block_size'] - 1} drafts"
-                  + (" (no calibration: all of them)" if choice is None else
-                     f" (calibrated choice: {choice['drafts']}; {choice['source']})"))
+    choice, k, most = engine.get("verify_width"), engine["verify_drafts"], engine["block_size"] - 1
+    if choice is None:
+        how = " (the engine is not calibrated)"
+    elif choice["drafts"] == k:
+        how = f" (the calibrated choice; {choice['source']})"
+    else:
+        how = f" (set by --verify-drafts; the calibrated choice is {choice['drafts']})"
+    console.print(f"DLite steps verify {k} of the draft's {most} drafts{how}")
     if choice is not None:
         console.print("  k: predicted tokens/step, step ms, speedup over a decode call: " + ", ".join(
             f"{k}: {r['tokens_per_step']:.2f}, {r['step_ms']:.1f}, {r.get('speedup_over_decode', 0):.2f}x"

@@ -13,8 +13,8 @@ from dlite_trt.cli.inputs import check_engine_dir
 @click.option("--engine", required=True, type=click.Path(path_type=Path), metavar="DIRECTORY",
               help="Engine directory from `dlite-trt build`.")
 @click.option("--prompts", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE.jsonl",
-              help="Your traffic: a bench dataset (JSONL; prompts as text, or input_ids) [default: code and coding "
-                   "requests from the held-out standard-library sources].")
+              help="Your traffic: a bench dataset (JSONL; prompts as text, or input_ids; each task's first turn is "
+                   "a prompt) [default: code and coding requests from the held-out standard-library sources].")
 @click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads (default: one per core).")
 def command(engine: Path, prompts: Path | None, threads: int | None) -> None:
     """Measure the draft's acceptance curve and the step's cost at every width; write the engine's verify width.
@@ -29,7 +29,7 @@ def command(engine: Path, prompts: Path | None, threads: int | None) -> None:
         from dlite_trt.bench.workloads import read_jsonl
         from dlite_trt.engine.load import load_engine
 
-        tokenizer = load_engine(engine, preload=()).tokenizer
+        tokenizer = load_engine(engine, preload=(), verify_drafts=None).tokenizer  # a stale width file is replaced
         ids = [t.turns[0].ids(tokenizer) for t in read_jsonl(prompts)]
     _, text = calibrate_engine(engine, threads=threads, prompts=ids)
     click.echo(text)

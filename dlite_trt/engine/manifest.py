@@ -21,7 +21,7 @@ from dlite_trt.dtypes import WEIGHT_FORMATS
 from dlite_trt.engine.weights import WEIGHTS_FILE
 from dlite_trt.errors import DLiteError, EngineError
 from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, GraphSpec, engine_contract
-from dlite_trt.export.int4 import ACCURACY_LEVELS, FP32_COMPUTE, HEAD_SCHEME, INT8_ACTIVATIONS
+from dlite_trt.export.nbits_levels import ACCURACY_LEVELS, FP32_COMPUTE, HEAD_SCHEME, INT8_ACTIVATIONS
 from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TargetSource
 
 MANIFEST = "manifest.json"

@@ -62,16 +62,18 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dlite_trt.errors import ConfigError, EngineError
+from dlite_trt.export.nbits_levels import (  # noqa: F401 (re-exported: the build reads them here)
+    ACCURACY_LEVELS,
+    DEFAULT_ACCURACY_LEVEL,
+    FP32_COMPUTE,
+    HEAD_SCHEME,
+    INT8_ACTIVATIONS,
+)
 
 BLOCK = 32  # weights per block along K, every ggml 4-bit type and Q8_0
 SCHEMES = ("Q4_1", "Q4_0")  # ggml types kept as they are
-HEAD_SCHEME = "Q8_0"  # the LM head's blocks, at accuracy level 4
 HEAD_NAME = "lm_head.weight"  # the LM head's parameter (tied: the same tensor as model.embed_tokens.weight)
 CONTRIB_DOMAIN = "com.microsoft"
-INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block
-FP32_COMPUTE = 0  # MatMulNBits accuracy_level: fp32 compute on the dequantized weights
-ACCURACY_LEVELS = (INT8_ACTIVATIONS, FP32_COMPUTE)
-DEFAULT_ACCURACY_LEVEL = FP32_COMPUTE  # the only level whose speculative output equals target-only's
 TARGET_SCOPE = "/target/"  # node-name prefix of the target's ops in every engine graph
 RTN = "round-to-nearest"
 GGUF = "gguf"

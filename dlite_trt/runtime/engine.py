@@ -49,8 +49,8 @@ class EngineGenerator(GeneratorBase):
         """``k`` if a greedy step of this engine can verify k drafts, else a clear error."""
         most = self.cfg.num_proposals
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= most:
-            raise EngineError(f"--verify-drafts must be an integer in 1..{most} (the draft proposes {most} tokens a "
-                              f"step), got {k!r}.")
+            raise EngineError(f"the verify width (--verify-drafts) must be an integer in 1..{most} (the draft proposes "
+                              f"{most} tokens a step), got {k!r}.")
         return k
 
     def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:

@@ -73,7 +73,12 @@ class WidthChoice:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WidthChoice:
-        return cls(int(data["drafts"]), tuple(float(p) for p in data["acceptance_at_least"]),
+        if not isinstance(data, Mapping) or not isinstance(data.get("step_ms"), Mapping):
+            raise TypeError("expected an object with a step_ms object")
+        drafts = data["drafts"]
+        if not isinstance(drafts, int) or isinstance(drafts, bool):
+            raise TypeError(f"drafts must be an integer, got {drafts!r}")
+        return cls(drafts, tuple(float(p) for p in data["acceptance_at_least"]),
                    {int(k): float(v) for k, v in data["step_ms"].items()},
                    None if data.get("decode_ms") is None else float(data["decode_ms"]), str(data.get("source", "")))
 
@@ -94,7 +99,9 @@ def choose(step_ms: Mapping[int, float], curve: Sequence[float], *, decode_ms: f
 
 def save(engine_dir: Path, choice: WidthChoice) -> Path:
     path = Path(engine_dir) / WIDTH_FILE
-    path.write_text(json.dumps(choice.to_dict(), indent=2) + "\n")
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(choice.to_dict(), indent=2) + "\n")
+    partial.replace(path)  # a reader never sees half a file
     return path
 
 
