@@ -63,8 +63,8 @@ class BenchSettings:
     @classmethod
     def quick_run(cls, **overrides: Any) -> BenchSettings:
         """About a minute on a laptop CPU with the bundled models: fewer, shorter tasks and samples."""
-        return replace(cls(batch_sizes=(1, 4), sweep_tokens=32, sweep_rounds=1, contexts=(256, 16384),
-                           context_steps=16, context_rounds=1, profile_runs=20, call_runs=20, quick=True), **overrides)
+        return replace(cls(batch_sizes=(1, 4), sweep_tokens=32, sweep_rounds=1, contexts=(256, 2048),
+                           context_steps=16, context_rounds=1, profile_runs=10, call_runs=20, quick=True), **overrides)
 
 
 def fit_lengths(lengths: Sequence[int], max_seq_len: int) -> tuple[list[int], list[int]]:

@@ -59,7 +59,7 @@ def _names(value: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]
                    "saying why where not installed; see docs/bench.md, Peers).")
 @click.option("--batch-sizes", default="1,2,4,8", show_default=True, help="Batch sweep sizes [--quick: 1,4].")
 @click.option("--contexts", default="256,2048,8192,16384", show_default=True,
-              help="Context lengths for step cost vs context [--quick: 256,16384].")
+              help="Context lengths for step cost vs context [--quick: 256,2048].")
 @click.option("--quick", is_flag=True, help="A run of about a minute: fewer, shorter tasks and samples.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the generated workloads.")
 @click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads (default: one per core).")
