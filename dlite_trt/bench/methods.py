@@ -65,25 +65,6 @@ class _DLite(Run):
         return self.session.batch_size * (ids + pivots)
 
 
-class _DLiteLookup(_DLite):
-    """DLite whose step verifies n-gram prompt lookup's proposal instead of the draft's where the
-    lookup finds a match (``EngineSession.stream(lookup=...)``); greedy, engine only."""
-
-    def __init__(self, session: SessionBase, cfg: PromptLookupConfig) -> None:
-        super().__init__(session)
-        self.drafter = PromptLookupDrafter(session.batch_size, cfg)
-
-    def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
-        return self.session.stream(params, timer, lookup=self.drafter)
-
-    @property
-    def draft_context_tokens(self) -> int:
-        return self.drafter.context_tokens
-
-    def draft_state_bytes(self) -> int:
-        return super().draft_state_bytes() + self.drafter.state_bytes()
-
-
 class _Ngram(Run):
     def __init__(self, session: SessionBase, cfg: PromptLookupConfig) -> None:
         super().__init__(session)
@@ -98,6 +79,18 @@ class _Ngram(Run):
 
     def draft_state_bytes(self) -> int:
         return self.drafter.state_bytes()
+
+
+class _DLiteLookup(_Ngram):
+    """DLite whose step verifies n-gram prompt lookup's proposal instead of the draft's where the
+    lookup finds a match (``EngineSession.stream(lookup=...)``); greedy, engine only. It keeps
+    both drafters' state."""
+
+    def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
+        return self.session.stream(params, timer, lookup=self.drafter)
+
+    def draft_state_bytes(self) -> int:
+        return _DLite(self.session).draft_state_bytes() + super().draft_state_bytes()
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ def first_difference(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]
     output differs where it ends), or None when they are equal."""
     indexes = []
     for a, b in zip(got, want, strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        common = min(len(a), len(b))
+        n = next((i for i in range(common) if a[i] != b[i]), common)
         if n < max(len(a), len(b)):
             indexes.append(n)
     return min(indexes, default=None)
