@@ -1,34 +1,43 @@
 #!/usr/bin/env python
 """Train the bundled DLite draft for SmolLM2-135M-Instruct from scratch (seeded, resumable).
 
-1. an untrained dlite_v1 draft shaped for the target (`dlite-trt train init`);
-2. training data from the target itself: coding prompts made from the standard library's
-   training split (the file so far, cut at several places; docstring-style; chat-style through
-   the chat template), answered greedily and batched by the reference target, with the draft's
-   layers' hidden states and the target's top-k cached on disk (training/state_cache.py);
-3. the target-informed initialisation of that draft (training/informed_init.py, from the
-   cached states), then the history-aware teacher, then the student in two stages (stage 1: KL
-   to the teacher; stage 2: CE + TV against the target), every block anchored in the target's
-   own answers (what decoding drafts);
-4. with --ablation, a single-stage student (stage 2 only) for the same number of optimizer
-   steps (teacher + stage 1 + stage 2) on the same batches;
-5. the acceptance length, greedy: held-out standard-library files (each continued from its
-   first 256 tokens for 128 new tokens), chat-style instructions made from held-out files, and
-   another package's code (never trained on), with n-gram prompt lookup's on the same prompts;
-6. the better of the two drafts on held-out files (the two-stage one without --ablation) in
-   fp16 -> --out (the bundled draft), with acceptance.json.
+Corpus mode (DESIGN 1.4): no generated answers. The target runs once over real code, and every
+position is an anchor whose labels are its exact greedy continuation up to the first place the
+text leaves it (training/corpus.py).
 
-Every stage resumes where it stopped when the command is run again with the same --work.
+1. the corpus, an explicit allow-list (CORPUS_PACKAGES, pinned; downloaded as wheels by this
+   script, only their .py files read; plus the standard library's training split), as raw files
+   and as chat turns (a request built from each documented function's signature and docstring,
+   the real code as the answer, through the chat template): four parts, sampled by MIX;
+2. a reduced draft vocabulary: the DRAFT_VOCAB most frequent ids of the corpus (the mask token
+   among them); its coverage of the target's greedy tokens on the held-out sets is measured;
+3. an untrained draft (`dlite-trt train init`) with it, then the target-informed initialisation
+   (training/informed_init.py) from the target's states over corpus windows;
+4. the student, single-stage (stage 2: CE + TV against the target), on corpus windows: the
+   target over each window, anchors drawn in proportion to their exact labels, every label past
+   the first disagreement masked; snapshots for the training curve;
+5. the acceptance length, greedy, the whole block verified: held-out standard-library files (each
+   continued from its first 256 tokens for 128 new tokens), chat-style instructions made from
+   held-out functions, and another package's code (never trained on), with n-gram prompt
+   lookup's on the same prompts; at every snapshot on the held-out files (the curve);
+6. the draft in fp16 -> --out (the bundled draft), with acceptance.json.
 
-    python build_scripts/train_smollm2_draft.py --ablation              # rewrites the bundled draft
+Everything not on the allow-list is held out: the standard library's held-out split, click (the
+other package measured) and every smaller package. Every stage resumes where it stopped when the
+command is run again with the same --work (outside the repository: it holds the corpus and the
+runs).
+
+    python build_scripts/train_smollm2_draft.py --work /work/runs/smollm2-corpus      # rewrites the bundled draft
     python build_scripts/train_smollm2_draft.py --budget smoke --work /tmp/w --out /tmp/draft
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
+import zipfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,22 +45,23 @@ import click
 
 from dlite_trt.training.losses import LossWeights
 
+# large packages only (each at least 5 MB of Python source), pinned; nothing else is trained on
+CORPUS_PACKAGES = {"torch": "2.13.0", "transformers": "5.24.0", "sympy": "1.14.0", "numpy": "1.26.4"}
+MIX = {"stdlib": 0.25, "chat-stdlib": 0.15, "packages": 0.4, "chat-packages": 0.2}  # windows drawn per part
 BUDGETS = {
-    "smoke": {"prompts": {"file": 4, "docstring": 2, "chat": 2}, "answer_tokens": 12, "prompt_tokens": 96,
-              "more_prompts": {"file": 2, "chat": 1}, "more_take": 2, "more_answer_tokens": 8,
-              "teacher": 4, "stage1": 2, "stage2": 4, "batch_seqs": 2, "anchors": 8, "seq_len": 64,
+    "smoke": {"packages": ["sympy"], "max_files": 6, "seq_len": 96, "batch_seqs": 2, "anchors": 16,
+              "min_context": 8, "steps": 6, "snapshots": 2, "draft_vocab": 4096, "init_windows": 2,
               "measure": {"files": 1, "chat": 1, "other": 1, "prompt_tokens": 64, "new_tokens": 16}},
-    "full": {"prompts": {"file": 420, "docstring": 120, "chat": 120}, "answer_tokens": 96, "prompt_tokens": 320,
-             "more_prompts": {"file": 360, "docstring": 180, "chat": 180}, "more_take": 240, "more_answer_tokens": 128,
-             "teacher": 100, "stage1": 100, "stage2": 500, "batch_seqs": 8, "anchors": 16, "seq_len": 256,
+    "full": {"packages": sorted(CORPUS_PACKAGES), "max_files": None, "seq_len": 512, "batch_seqs": 4,
+             "anchors": 192, "min_context": 32, "steps": 1500, "snapshots": 6, "draft_vocab": 16384,
+             "init_windows": 24,
              "measure": {"files": 24, "chat": 16, "other": 16, "prompt_tokens": 256, "new_tokens": 128}},
 }
 DRAFT_SHAPE = {"num_hidden_layers": 2, "chs_num_layers": 5, "block_size": 8, "anchor_group_size": 2,
-               "sequential_rank": 128}
-OTHER_PACKAGE = "click"  # code from outside the standard library, never trained on
-ANCHOR_REGION = "answer"  # blocks drafting the target's own answers (docs/training.md, levers)
-DATA_BATCH = 16  # prompts answered together
+               "sequential_rank": 256}
+OTHER_PACKAGE = "click"  # code from outside the allow-list, never trained on
 LR = 1e-3  # peak (cosine to a tenth)
+TOP_K = 32  # the target's distribution kept per position (TV over these + the rest)
 LOSS = LossWeights()
 
 
@@ -123,7 +133,7 @@ def agreement(target, draft, prompts: list[list[int]], outputs: list[list[int]])
             anchors = torch.arange(len(prompt), tokens.shape[1] - 1)[None]
             ex = draft_examples(tokens, hidden, logits, anchors, draft.cfg.anchor_group_size, draft.cfg.num_proposals)
             out = student_logits(draft, ex, adapter.embed_weight)
-            hits.append(out.logits.argmax(-1) == ex.labels)
+            hits.append(draft.sequential_head.to_target(out.logits.argmax(-1)) == ex.labels)  # rows -> ids
             confs.append(ex.target_probs[..., 0])
             valids.append(ex.valid)
     hit, conf, valid = torch.cat(hits), torch.cat(confs), torch.cat(valids)
@@ -142,32 +152,69 @@ def agreement(target, draft, prompts: list[list[int]], outputs: list[list[int]])
                 for k in range(1, hit.shape[1] + 1)}}
 
 
-Prompts = list[tuple[str, list[int]]]  # (kind, token ids)
+def package_sources(name: str, version: str, work: Path) -> Path:
+    """The package's wheel at the pinned version (pip download, no dependencies), its .py files
+    extracted under ``work/sources/name-version``: the directory of the package's sources."""
+    root = work / "sources" / f"{name}-{version}"
+    done = root / ".complete"
+    if not done.is_file():
+        wheels = work / "wheels"
+        wheels.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels),
+                        f"{name}=={version}"], check=True)
+        found = sorted(wheels.glob(f"{name}-{version}*.whl")) or sorted(wheels.glob(f"{name}-{version}+*.whl"))
+        if not found:
+            raise click.ClickException(f"pip downloaded no wheel of {name}=={version} into {wheels}")
+        with zipfile.ZipFile(found[0]) as wheel:
+            for member in wheel.namelist():
+                if member.endswith(".py") and member.startswith(f"{name}/"):
+                    wheel.extract(member, root)
+        done.touch()
+    return root / name
 
 
-def training_prompts(tokenizer, budget: dict, seed: int) -> tuple[Prompts, Prompts]:
-    """The two prompt sets answered for the data, [(kind, ids)] each: the first, and the second
-    the cache grows by (the first ``more_take`` of another draw: other cuts, other functions' prompts;
-    exact repeats of the first dropped)."""
+def build_corpus(tokenizer, vocab_size: int, parts_dir: Path, work: Path, budget: dict, seed: int) -> dict:
+    """The four corpus parts (raw and chat, the standard library's training split and the
+    packages), each written once; returns their sizes."""
     from dlite_trt.tiny_models import stdlib_files
-    from dlite_trt.training.prompts import coding_prompts
+    from dlite_trt.training.corpus import META, chat_documents, file_documents, write_corpus, write_mix
 
-    files = stdlib_files("train")
-    first = coding_prompts(files, tokenizer, counts=budget["prompts"], max_prompt_tokens=budget["prompt_tokens"],
-                           seed=seed)
-    seen = {tuple(p) for _, p in first}
-    more = [(kind, p) for kind, p in coding_prompts(files, tokenizer, counts=budget["more_prompts"],
-                                                    max_prompt_tokens=budget["prompt_tokens"], seed=seed + 1)
-            if tuple(p) not in seen]
-    return first, more[: budget["more_take"]]
+    def limited(files: list[Path]) -> list[Path]:
+        return files[: budget["max_files"]] if budget["max_files"] else files
+
+    stdlib = limited(stdlib_files("train"))
+    stdlib_root = stdlib[0].parent
+    packages = [(package_sources(name, CORPUS_PACKAGES[name], work), name) for name in budget["packages"]]
+    package_files = [(root, name, limited(sorted(root.rglob("*.py")))) for root, name in packages]
+
+    def raw_packages():
+        for root, name, files in package_files:
+            yield from file_documents(files, root, tokenizer, label=name)
+
+    def chat_packages():
+        for root, name, files in package_files:
+            yield from chat_documents(files, root, tokenizer, label=name, seed=seed)
+
+    makers = {"stdlib": lambda: file_documents(stdlib, stdlib_root, tokenizer, label="stdlib"),
+              "chat-stdlib": lambda: chat_documents(stdlib, stdlib_root, tokenizer, label="stdlib", seed=seed),
+              "packages": raw_packages, "chat-packages": chat_packages}
+    sizes = {}
+    for part, make in makers.items():
+        out = parts_dir / part
+        if not (out / META).is_file():
+            write_corpus(make(), out, eos_id=tokenizer.eos_token_id, tokenizer_name="smollm2-135m",
+                         vocab_size=vocab_size)
+        meta = json.loads((out / META).read_text())
+        sizes[part] = {"tokens": meta["tokens"], "documents": meta["documents"]}
+    write_mix(parts_dir, MIX)  # `dlite-trt train ... --data parts_dir` draws windows as this recipe does
+    return sizes
 
 
-def training_answers(cache, prompts: Prompts, kind: str, min_answer: int, limit: int) -> tuple[list, list]:
-    """(prompts, answers) of the first ``limit`` cached sequences whose prompt is of ``kind`` with an
-    answer of at least ``min_answer`` tokens: answers a draft was trained on (memorisation)."""
-    of_kind = {tuple(p) for k, p in prompts if k == kind}
-    seen = [s for s in cache.sequences if tuple(s.prompt_ids) in of_kind and len(s.answer_ids) >= min_answer][:limit]
-    return [list(s.prompt_ids) for s in seen], [list(s.answer_ids) for s in seen]
+def greedy_coverage(vocab, outputs: list[list[int]]) -> float:
+    """Share of the target's greedy tokens that the draft vocabulary holds."""
+    chosen = set(int(i) for i in vocab)
+    tokens = [t for o in outputs for t in o]
+    return round(sum(t in chosen for t in tokens) / max(1, len(tokens)), 4)
 
 
 class Target:
@@ -188,14 +235,13 @@ class Target:
 @click.command()
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("dlite_trt/bundled/smollm2"),
               show_default=True, help="Where the trained draft (fp16) and acceptance.json go.")
-@click.option("--work", type=click.Path(path_type=Path, file_okay=False), default=Path("build/smollm2-draft-runs"),
-              show_default=True, help="Resumable state: data, state cache, training runs, the ablation's draft.")
+@click.option("--work", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="Resumable state, outside the repository: the corpus, the runs, the snapshots.")
 @click.option("--budget", type=click.Choice(sorted(BUDGETS)), default="full", show_default=True)
-@click.option("--ablation", is_flag=True, help="Also train single-stage at the same budget and measure both.")
-@click.option("--until", type=click.Choice(["data", "teacher", "two-stage", "all"]), default="all", show_default=True,
+@click.option("--until", type=click.Choice(["corpus", "train", "all"]), default="all", show_default=True,
               help="Stop after this stage (rerun to go on).")
 @click.option("--seed", default=0, show_default=True, type=int)
-def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: int) -> None:
+def main(out: Path, work: Path, budget: str, until: str, seed: int) -> None:
     from safetensors.torch import load_file
 
     from dlite_trt.checkpoint import load_draft, save_draft
@@ -204,12 +250,11 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     from dlite_trt.runtime.reference import SpeculativeGenerator
     from dlite_trt.runtime.session import SamplingParams
     from dlite_trt.tiny_models import stdlib_files
-    from dlite_trt.training.informed_init import DEFAULT_PARTS, informed_init, sample_states
+    from dlite_trt.training.corpus import frequent_vocabulary, read_corpus_mix
+    from dlite_trt.training.informed_init import DEFAULT_PARTS, informed_init, sample_corpus_states
     from dlite_trt.training.init_draft import pick_mask_token, write_initial_draft
-    from dlite_trt.training.pipeline import BatchSettings, StudentPlan, load_teacher, train_student, train_teacher
+    from dlite_trt.training.pipeline import BatchSettings, StudentPlan, train_student
     from dlite_trt.training.prompts import coding_prompts
-    from dlite_trt.training.state_cache import StateCache, write_state_cache
-    from dlite_trt.training.trainer import TrainSettings
 
     b = BUDGETS[budget]
     seconds: dict[str, float] = json.loads((work / "seconds.json").read_text()) if (work / "seconds.json").is_file() \
@@ -228,76 +273,58 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
 
     # what every stage's output depends on: a --work made with other settings is refused, not reused
     recipe = {"budget": budget, "settings": {k: v for k, v in b.items() if k != "measure"}, "draft_shape": DRAFT_SHAPE,
-              "lr": LR, "informed_init": list(DEFAULT_PARTS), "anchor_region": ANCHOR_REGION,
-              "loss_weights": asdict(LOSS), "seed": seed}
+              "corpus_packages": CORPUS_PACKAGES, "mix": MIX, "lr": LR, "top_k": TOP_K,
+              "informed_init": list(DEFAULT_PARTS), "loss_weights": asdict(LOSS), "seed": seed}
     recorded = work / "recipe.json"
     if recorded.is_file() and json.loads(recorded.read_text()) != json.loads(json.dumps(recipe)):
         raise click.ClickException(f"{work} holds a run with other settings ({recorded}); pass a new --work "
                                    "(or delete it to start over).")
     if not recorded.is_file():
-        if any((work / part).exists() for part in ("teacher", "two-stage", "single-stage", "informed-init")):
-            raise click.ClickException(f"{work} holds training runs of an earlier recipe (no recipe.json); pass a "
-                                       "new --work (its data/ can be copied there: the cache grows).")
+        if work.exists() and any(work.iterdir()):
+            raise click.ClickException(f"{work} is not empty and holds no recipe.json; pass a new --work.")
         work.mkdir(parents=True, exist_ok=True)
         recorded.write_text(json.dumps(recipe, indent=2) + "\n")
     target = Target()
+    vocab_size = target.spec.vocab_size
+    say("corpus: the allow-list's sources, tokenized")
+    sizes = build_corpus(target.tokenizer, vocab_size, work / "corpus", work, b, seed)
+    mix = read_corpus_mix(work / "corpus", vocab_size)
+    say(f"corpus: {sizes}")
+    lap("corpus")
+    if until == "corpus":
+        return
+
+    mask = pick_mask_token(target.tokenizer, target.spec, target.stops, None)
+    counts = sum(part.token_counts(vocab_size) for part in mix.parts)
+    draft_vocab = frequent_vocabulary(counts, b["draft_vocab"], must_include=[mask])
     init_dir = work / "init"
     if not (init_dir / "config.json").is_file():
-        mask = pick_mask_token(target.tokenizer, target.spec, target.stops, None)
-        write_initial_draft(init_dir, target.spec, mask, seed=seed, **DRAFT_SHAPE)
+        write_initial_draft(work / "init.tmp", target.spec, mask, seed=seed, draft_vocab=draft_vocab.tolist(),
+                            **DRAFT_SHAPE)
+        (work / "init.tmp").replace(init_dir)
     cfg = load_draft(init_dir, target=target.spec).cfg
     adapter = TargetAdapter(target.hf, target.spec, cfg.target_layer_ids).eval()
-
-    first, more = training_prompts(target.tokenizer, b, seed)
-    prompts = first + more
-
-    def kinds_of(part: Prompts) -> dict[str, int]:
-        return {k: sum(1 for kind, _ in part if kind == k) for k in ("file", "docstring", "chat")}
-
-    kinds = kinds_of(prompts)
-    for upto, answer_tokens in ((first, b["answer_tokens"]), (prompts, b["more_answer_tokens"])):
-        say(f"data: {len(upto)} prompts {kinds_of(upto)}, answers up to {answer_tokens} tokens -> {work / 'data'}")
-        write_state_cache(adapter, [p for _, p in upto], work / "data", layer_ids=cfg.target_layer_ids,
-                          max_new_tokens=answer_tokens, stop_token_ids=target.stops, batch_size=DATA_BATCH,
-                          target_name="smollm2-135m",
-                          log=lambda done, total, rate: say(f"data {done}/{total} prompts, {rate:.0f} answer tok/s"))
-    lap("data")
-    if until == "data":
-        return
-    cache = StateCache(work / "data", cfg.target_layer_ids, target.spec.vocab_size)
     informed_dir = work / "informed-init"
     if not (informed_dir / "model.safetensors").is_file():  # written whole, then renamed: a kill leaves none
         draft = load_draft(init_dir, target=target.spec).float()
-        informed_init(draft, target.hf.lm_head.weight, target.hf.model.norm.weight, None,
-                      sample_states(cache, 200, seed=seed), DEFAULT_PARTS)
+        states = sample_corpus_states(adapter, mix, b["init_windows"], b["seq_len"], seed=seed)
+        informed_init(draft, target.hf.lm_head.weight, target.hf.model.norm.weight, None, states, DEFAULT_PARTS)
         save_draft(draft, work / "informed-init.tmp")
         (work / "informed-init.tmp").replace(informed_dir)
+    lap("init")
+
     batches = BatchSettings(seq_len=b["seq_len"], batch_seqs=b["batch_seqs"], anchors=b["anchors"], seed=seed,
-                            anchor_region=ANCHOR_REGION)
-    init = load_draft(informed_dir, target=target.spec).float()
-    if (work / "teacher" / "teacher.safetensors").is_file():
-        teacher = load_teacher(work / "teacher")
-    else:
-        teacher = train_teacher(adapter, cache, init, work / "teacher", TrainSettings(steps=b["teacher"], lr=LR),
-                                batches, window=16, weights=LOSS)
-    lap("teacher")
-    if until == "teacher":
+                            exact_labels=True, anchor_weight="depth", min_context=b["min_context"], top_k=TOP_K)
+    student_dir = work / "student"
+    if not (student_dir / "model.safetensors").is_file():
+        say(f"training: {b['steps']} steps of {b['batch_seqs']} windows x {b['anchors']} blocks")
+        train_student(adapter, mix, load_draft(informed_dir, target=target.spec).float(), student_dir,
+                      StudentPlan(0, b["steps"], lr=LR, snapshot_every=max(1, b["steps"] // b["snapshots"]),
+                                  checkpoint_every=max(1, min(50, b["steps"] // 4))),
+                      batches, weights=LOSS, runs=work / "student-runs")
+    lap("train")
+    if until == "train":
         return
-    two_stage = work / "two-stage"
-    if not (two_stage / "model.safetensors").is_file():
-        train_student(adapter, cache, load_draft(informed_dir, target=target.spec).float(), two_stage,
-                      StudentPlan(b["stage1"], b["stage2"], lr=LR, snapshot_every=max(1, b["stage2"] // 4)), batches,
-                      teacher, weights=LOSS, runs=work / "two-stage-runs")
-    lap("two_stage")
-    if until == "two-stage":
-        return
-    single = work / "single-stage"
-    if ablation and not (single / "model.safetensors").is_file():
-        total = b["teacher"] + b["stage1"] + b["stage2"]
-        train_student(adapter, cache, load_draft(informed_dir, target=target.spec).float(), single,
-                      StudentPlan(0, total, lr=LR, snapshot_every=max(1, total // 4)), batches,
-                      weights=LOSS, runs=work / "single-stage-runs")
-    lap("single_stage")
 
     m = b["measure"]
     tok = target.tokenizer
@@ -317,47 +344,37 @@ def main(out: Path, work: Path, budget: str, ablation: bool, until: str, seed: i
     baselines = {name: [list(o) for o in baseline_gen.session(ps).generate_target_only(params).output_ids]
                  for name, ps in prompt_sets.items()}
     lap("target_only_baseline")
-    drafts = {"two_stage": two_stage, **({"single_stage": single} if ablation else {})}
-    report = {name: measure(target, load_draft(path, target=target.spec), prompt_sets, m["new_tokens"], baselines)
-              for name, path in drafts.items()}
+    report = {"student": measure(target, load_draft(student_dir, target=target.spec), prompt_sets, m["new_tokens"],
+                                 baselines)}
     report["ngram_prompt_lookup"] = {}
     for name, ps in prompt_sets.items():
         kept = [k for p, o in zip(ps, baselines[name], strict=True) for k in ngram_acceptance(p, o, cfg.block_size)]
         report["ngram_prompt_lookup"][name] = {"mean_acceptance_length": round(sum(kept) / len(kept), 3),
                                                "steps": len(kept), "prompts": len(ps)}
+    report["draft_vocab_coverage"] = {name: greedy_coverage(draft_vocab, outs) for name, outs in baselines.items()}
     lap("measure")
+    report["agreement"] = {set_name: agreement(target, load_draft(student_dir, target=target.spec).float(),
+                                               prompt_sets[set_name], baselines[set_name])
+                           for set_name in prompt_sets}
+    # the training curve: held-out files' acceptance length at each snapshot, against blocks and
+    # corpus positions seen (the last snapshot is the final draft, measured above)
     files_set = {"held_out_stdlib_files": prompt_sets["held_out_stdlib_files"]}
-    report["agreement"] = {name: {set_name: agreement(target, load_draft(path, target=target.spec).float(),
-                                                      prompt_sets[set_name], baselines[set_name])
-                                  for set_name in prompt_sets}
-                           for name, path in drafts.items()}
-    # memorisation: the same agreement on answers the drafts were trained on (file prompts of the
-    # first set), against the held-out files' above
-    seen_prompts, seen_answers = training_answers(cache, first, "file", min(64, b["answer_tokens"] // 2), m["files"])
-    if seen_prompts:
-        for name, path in drafts.items():
-            report["agreement"][name]["training_file_answers"] = agreement(
-                target, load_draft(path, target=target.spec).float(), seen_prompts, seen_answers)
-    # the training-steps curve: held-out files' acceptance length at the two-stage student's
-    # stage-2 snapshots (the last one is the final draft, measured above)
-    curve = {f"stage2_step_{b['stage2']}": report["two_stage"]["held_out_stdlib_files"]["mean_acceptance_length"]}
-    for snap in (work / "two-stage-runs" / "stage2-run").glob("snapshot-*.safetensors"):
-        if int(snap.stem[9:]) < b["stage2"]:
+    per_step = {"blocks": b["batch_seqs"] * b["anchors"], "positions": b["batch_seqs"] * b["seq_len"]}
+    curve = {b["steps"]: report["student"]["held_out_stdlib_files"]["mean_acceptance_length"]}
+    for snap in (work / "student-runs" / "stage2-run").glob("snapshot-*.safetensors"):
+        if int(snap.stem[9:]) < b["steps"]:
             draft = DLiteDraft(cfg)
             draft.load_state_dict(load_file(str(snap)), strict=True)
-            got = measure(target, draft, files_set, m["new_tokens"], baselines)["held_out_stdlib_files"]
-            curve[f"stage2_step_{snap.stem[9:]}"] = got["mean_acceptance_length"]
-    report["steps_curve"] = dict(sorted(curve.items(), key=lambda item: int(item[0].rsplit("_", 1)[1])))
+            curve[int(snap.stem[9:])] = measure(target, draft, files_set, m["new_tokens"],
+                                                baselines)["held_out_stdlib_files"]["mean_acceptance_length"]
+    report["training_curve"] = [{"step": step, "blocks_seen": step * per_step["blocks"],
+                                 "corpus_positions_seen": step * per_step["positions"], "held_out_files_al": al}
+                                for step, al in sorted(curve.items())]
     lap("diagnosis")
 
-    # chosen on the held-out files, so the bundled draft's figure there is the better of two
-    # measured; the chat and other-package sets play no part in the choice
-    bundled = max(drafts, key=lambda name: report[name]["held_out_stdlib_files"]["mean_acceptance_length"])
     out.mkdir(parents=True, exist_ok=True)
-    save_draft(load_draft(drafts[bundled], target=target.spec).half(), out)
-    data_tokens = {"sequences": len(cache.sequences), "prompt_tokens": sum(len(s.prompt_ids) for s in cache.sequences),
-                   "answer_tokens": sum(len(s.answer_ids) for s in cache.sequences), "prompt_kinds": kinds}
-    report |= {**recipe, "measure": m, "bundled": bundled, "data": data_tokens, "seconds": seconds,
+    save_draft(load_draft(student_dir, target=target.spec).half(), out)
+    report |= {**recipe, "measure": m, "corpus": sizes, "seconds": seconds,
                "total_seconds": round(sum(seconds.values()), 1), "command": " ".join(["python", *sys.argv])}
     (out / "acceptance.json").write_text(json.dumps(report, indent=2) + "\n")
     click.echo(json.dumps(report))

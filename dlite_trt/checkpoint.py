@@ -16,13 +16,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dlite_trt.config import DraftConfig, TargetSpec
+from dlite_trt.config import DRAFT_VOCAB_KEY, DraftConfig, TargetSpec
 from dlite_trt.errors import CheckpointError, ConfigError, IncompatibleDraftError
 from dlite_trt.model.draft import DLiteDraft
+from dlite_trt.model.sequential_head import draft_vocab_problem
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+DRAFT_VOCAB = "sequential_head.draft_vocab"  # [V_d] int64, only in drafts with a reduced draft vocabulary
+HEAD_VOCAB_WEIGHTS = ("sequential_head.prev_token_embedding.weight", "sequential_head.output_proj.weight")
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -96,14 +99,44 @@ def check_state_dict(state: Mapping[str, torch.Tensor], model: torch.nn.Module, 
     wrong = [(n, tuple(state[n].shape), tuple(t.shape)) for n, t in expected.items() if state[n].shape != t.shape]
     if wrong:
         detail = "; ".join(f"{n}: file {got}, config needs {want}" for n, got, want in wrong[:5])
+        head = (" (the head's vocabulary rows follow dlite_config.draft_vocab_size when it is set, else vocab_size)"
+                if {n for n, _, _ in wrong} & {*HEAD_VOCAB_WEIGHTS, DRAFT_VOCAB} else "")
         raise CheckpointError(
-            f"{where} has {len(wrong)} weight(s) whose shape does not match config.json ({detail}); "
+            f"{where} has {len(wrong)} weight(s) whose shape does not match config.json ({detail}){head}; "
             "config.json and the weights come from different models."
         )
 
 
+def check_draft_vocab(state: Mapping[str, torch.Tensor], cfg: DraftConfig, where: str) -> None:
+    """The draft vocabulary tensor is there iff the config sets draft_vocab_size, and is valid."""
+    ids = state.get(DRAFT_VOCAB)
+    if cfg.draft_vocab_size is None:
+        if ids is not None:
+            raise CheckpointError(
+                f"{where} holds {DRAFT_VOCAB} {tuple(ids.shape)} but config.json has no dlite_config."
+                f"{DRAFT_VOCAB_KEY}; add \"{DRAFT_VOCAB_KEY}\": {ids.numel()} to dlite_config, or drop the tensor "
+                "for a full-vocabulary draft."
+            )
+        return
+    if ids is None:
+        raise CheckpointError(
+            f"{where}: config.json sets dlite_config.{DRAFT_VOCAB_KEY}={cfg.draft_vocab_size} but the weights have no "
+            f"{DRAFT_VOCAB} (the target id of each draft row, [{cfg.draft_vocab_size}] int64); save the draft "
+            f"vocabulary with the weights, or remove {DRAFT_VOCAB_KEY} for a full-vocabulary draft."
+        )
+    if ids.dtype != torch.int64:
+        raise CheckpointError(f"{where}: {DRAFT_VOCAB} is {ids.dtype}; it must be int64 (target token ids). "
+                              "Re-save it as int64.")
+    problem = draft_vocab_problem(ids, cfg.vocab_size, cfg.mask_token_id) if ids.ndim == 1 else None
+    if problem is not None:
+        raise CheckpointError(f"{where}: {DRAFT_VOCAB}: {problem}; list each target id at most once, all in "
+                              f"[0, vocab_size), including mask_token_id={cfg.mask_token_id}, and re-save the draft.")
+
+
 def check_dtypes(state: Mapping[str, torch.Tensor], where: str, *, uniform: bool) -> None:
-    """Weights must be floating point; without a cast, all of one dtype."""
+    """Weights must be floating point; without a cast, all of one dtype. (The draft vocabulary, token ids,
+    is checked by ``check_draft_vocab``.)"""
+    state = {n: t for n, t in state.items() if n != DRAFT_VOCAB}
     not_float = sorted(n for n, t in state.items() if not t.is_floating_point())
     if not_float:
         raise CheckpointError(
@@ -142,6 +175,7 @@ def load_draft(ckpt: Path, *, dtype: torch.dtype | None = torch.float32,
     state = read_draft_state_dict(ckpt)
     with torch.device("meta"):
         model = DLiteDraft(cfg)
+    check_draft_vocab(state, cfg, f"draft checkpoint {ckpt}")
     check_state_dict(state, model, f"draft checkpoint {ckpt}")
     check_dtypes(state, f"draft checkpoint {ckpt}", uniform=dtype is None)
     model.load_state_dict(state, strict=True, assign=True)

@@ -250,6 +250,8 @@ _DLITE_KEYS = (
     "architecture_version", "model_role", "anchor_group_size", "chs_num_layers", "target_layer_ids",
     "sequential_head", "sequential_rank", "mask_token_id",
 )
+# Optional dlite_config keys: written only when set (official dlite_v1 configs have none of them).
+DRAFT_VOCAB_KEY = "draft_vocab_size"
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,9 @@ class DraftConfig:
     sequential_head: str = "rnn"
     architecture_version: str = ARCHITECTURE_VERSION
     model_role: str = MODEL_ROLE
+    # V_d: a reduced draft vocabulary (the head proposes among V_d of the target's V ids, listed by
+    # the checkpoint's sequential_head.draft_vocab); None: the full vocabulary, as dlite_v1 ships.
+    draft_vocab_size: int | None = None
     # config.json keys not modelled above (transformers_version, torch_dtype, ...), kept verbatim.
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -304,6 +309,7 @@ class DraftConfig:
         _check_attention_shape(self, "draft")
         if not isinstance(self.mask_token_id, int) or isinstance(self.mask_token_id, bool) or self.mask_token_id < 0:
             raise ConfigError(f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}.")
+        self._check_draft_vocab_size()
         expected = select_target_layer_ids(self.num_target_layers, len(self.target_layer_ids))
         if self.target_layer_ids != expected:
             raise ConfigError(
@@ -312,6 +318,21 @@ class DraftConfig:
                 f"chs_num_layers={len(self.target_layer_ids)}; the checkpoint was not trained for this "
                 "layout (fix dlite_config.target_layer_ids or retrain)."
             )
+
+    def _check_draft_vocab_size(self) -> None:
+        size = self.draft_vocab_size
+        if size is None:
+            return
+        if not isinstance(size, int) or isinstance(size, bool) or not 2 <= size <= self.vocab_size:
+            raise ConfigError(
+                f"dlite_config.{DRAFT_VOCAB_KEY} must be an int in [2, vocab_size={self.vocab_size}], got {size!r}; "
+                f"set it to the length of sequential_head.draft_vocab, or remove it for a full-vocabulary draft."
+            )
+
+    @property
+    def head_vocab_size(self) -> int:
+        """Rows of the sequential head's prev_token_embedding and output_proj: V_d, else V."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
     @property
     def num_proposals(self) -> int:
@@ -364,7 +385,7 @@ class DraftConfig:
             )
         known = set(_DRAFT_KEYS) | {"dlite_config", "rope_theta", "architectures", "model_type", "hidden_act"}
         extra = {k: v for k, v in raw.items() if k not in known}
-        extra_dlite = {k: v for k, v in dlite.items() if k not in _DLITE_KEYS}
+        extra_dlite = {k: v for k, v in dlite.items() if k not in (*_DLITE_KEYS, DRAFT_VOCAB_KEY)}
         if extra_dlite:
             extra["dlite_config"] = extra_dlite
         return cls(
@@ -387,6 +408,7 @@ class DraftConfig:
             sequential_head=str(dlite["sequential_head"]).lower(),
             architecture_version=dlite["architecture_version"],
             model_role=str(dlite["model_role"]).lower(),
+            draft_vocab_size=dlite.get(DRAFT_VOCAB_KEY),
             extra=extra,
         )
 
@@ -422,6 +444,7 @@ class DraftConfig:
                 "sequential_head": self.sequential_head,
                 "sequential_rank": self.sequential_rank,
                 "mask_token_id": self.mask_token_id,
+                **({} if self.draft_vocab_size is None else {DRAFT_VOCAB_KEY: self.draft_vocab_size}),
             },
         }
         return out

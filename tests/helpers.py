@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from dlite_trt.config import DraftConfig, RopeScaling, TargetSpec
 from dlite_trt.model.draft import DLiteDraft
@@ -49,31 +55,79 @@ def near_bigram_target(vocab_size: int = 64, *, seed: int = 0, **kwargs):
 
 
 def draft_config(spec: TargetSpec, *, block_size: int = 8, anchor_group_size: int = 1,
-                 sequential_rank: int | None = None, chs_num_layers: int = 3) -> DraftConfig:
+                 sequential_rank: int | None = None, chs_num_layers: int = 3,
+                 draft_vocab_size: int | None = None) -> DraftConfig:
     return DraftConfig.for_target(spec, num_hidden_layers=2, chs_num_layers=chs_num_layers, mask_token_id=1,
                                   block_size=block_size, anchor_group_size=anchor_group_size,
-                                  sequential_rank=sequential_rank or max(32, spec.vocab_size))
+                                  sequential_rank=sequential_rank or max(32, spec.vocab_size),
+                                  draft_vocab_size=draft_vocab_size)
 
 
-def random_draft(cfg: DraftConfig, seed: int = 1) -> DLiteDraft:
+def reduced_vocab(vocab_size: int, size: int, *, mask_token_id: int = 1, seed: int = 0,
+                  include: tuple[int, ...] = (), exclude: tuple[int, ...] = ()) -> torch.Tensor:
+    """A draft vocabulary: ``size`` distinct target ids in seeded random order, the mask token and
+    ``include`` among them, none of ``exclude``: [size] int64."""
+    order = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed)).tolist()
+    first = list(dict.fromkeys([mask_token_id, *include]))
+    ids = first + [i for i in order if i not in first and i not in exclude][: size - len(first)]
+    shuffle = torch.randperm(size, generator=torch.Generator().manual_seed(seed + 1))
+    return torch.tensor(ids)[shuffle]
+
+
+class OutsideVocabCase(NamedTuple):
+    hf: Any  # a transformers target
+    spec: TargetSpec
+    prompts: list[list[int]]
+    want: list[list[int]]  # the target's greedy continuations (transformers generate)
+    missing: int  # a token of those continuations that the draft vocabulary lacks
+    draft_vocab: torch.Tensor  # [V_d]
+
+
+def outside_vocab_case(vocab_size: int, draft_vocab_size: int, lengths: tuple[int, ...], new_tokens: int, *,
+                       seed: int = 2) -> OutsideVocabCase:
+    """A near-bigram target, prompts and their greedy continuations, and a draft vocabulary that holds every
+    token of the continuations but the rarest one: the output has a token the draft cannot name, and a
+    bigram draft of the target still gets multi-token acceptances elsewhere."""
+    hf, spec = near_bigram_target(vocab_size, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+    want = [hf_greedy(hf, p, new_tokens) for p in prompts]
+    used = Counter(t for out in want for t in out)
+    used.pop(1, None)  # helpers.draft_config's mask token: always in the draft vocabulary
+    missing = min(used, key=lambda t: (used[t], t))
+    ids = reduced_vocab(vocab_size, draft_vocab_size, seed=seed, include=tuple(sorted(set(used) - {missing})),
+                        exclude=(missing,))
+    return OutsideVocabCase(hf, spec, prompts, want, missing, ids)
+
+
+def random_draft(cfg: DraftConfig, seed: int = 1, draft_vocab: torch.Tensor | None = None) -> DLiteDraft:
+    """A draft with seeded random weights; with ``draft_vocab`` (cfg.draft_vocab_size ids) as its draft vocabulary."""
     torch.manual_seed(seed)
-    return DLiteDraft(cfg).eval()
+    draft = DLiteDraft(cfg).eval()
+    if draft_vocab is not None:
+        draft.sequential_head.set_draft_vocab(draft_vocab)
+    return draft
 
 
 @torch.no_grad()
-def bigram_draft(hf_target, cfg: DraftConfig, seed: int = 1, sharpness: float = 20.0) -> DLiteDraft:
+def bigram_draft(hf_target, cfg: DraftConfig, seed: int = 1, sharpness: float = 20.0,
+                 draft_vocab: torch.Tensor | None = None) -> DLiteDraft:
     """A real DLiteDraft whose head proposes the target's one-token greedy successor of each token.
 
     The sequential head is set so that s = tanh(sharpness * onehot(prev)) and logits pick
     successor(prev); the backbone keeps random weights (its output is ignored by this head).
     Its proposals agree with the target often but not always, so verification sees every case.
+    With ``draft_vocab`` the head works in its rows: a successor outside it is proposed as the mask token
+    (the convention for tokens the draft cannot name), so every choice is clear-cut (no near-ties).
     """
-    v, r = cfg.vocab_size, cfg.sequential_rank
+    v, r = cfg.head_vocab_size, cfg.sequential_rank
     if r < v:
-        raise ValueError("bigram_draft needs sequential_rank >= vocab_size")
-    draft = random_draft(cfg, seed)
-    successor = hf_target(torch.arange(v)[:, None]).logits[:, 0].argmax(-1)  # [V]
+        raise ValueError("bigram_draft needs sequential_rank >= the head's vocabulary rows")
+    draft = random_draft(cfg, seed, draft_vocab)
     head = draft.sequential_head
+    ids = torch.arange(v) if head.draft_vocab is None else head.draft_vocab  # [V_d] target id of each row
+    successor = hf_target(ids[:, None]).logits[:, 0].argmax(-1)  # [V_d] target ids
+    row = head.to_draft(successor)  # [V_d] their rows
     eye = torch.eye(v, r)
     head.prev_token_embedding.weight.copy_(eye)
     head.state_proj.weight.zero_()
@@ -84,7 +138,7 @@ def bigram_draft(hf_target, cfg: DraftConfig, seed: int = 1, sharpness: float = 
     head.state_hidden_mlp.weight[:, :r] = torch.eye(r)
     head.state_hidden_mlp.bias.zero_()
     out = torch.zeros(v, r)
-    out[successor, torch.arange(v)] = 1.0
+    out[row, torch.arange(v)] = 1.0
     head.output_proj.weight.copy_(out)
     return draft
 
@@ -227,3 +281,50 @@ def cut_at_stop_string(decode, ids: list[int], stop: str) -> tuple[list[int], st
     text = decode(ids)
     k = next(k for k in range(1, len(ids) + 1) if stop in decode(ids[:k]))
     return ids[:k], text[: text.index(stop)]
+
+
+# ---------------------------------------------------------------------------------------------
+# draft checkpoints: editing a saved one, comparing, errors
+
+
+def edit_config(ckpt: Path, edit) -> None:
+    """Apply ``edit`` to the parsed config.json of the checkpoint directory ``ckpt`` and write it back."""
+    path = ckpt / "config.json"
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw, indent=2))
+
+
+def rewrite_weights(ckpt: Path, edit) -> None:
+    """Apply ``edit`` to the state dict of a single-file checkpoint and write it back."""
+    from dlite_trt.checkpoint import WEIGHTS_NAME
+
+    path = ckpt / WEIGHTS_NAME
+    state = load_file(str(path))
+    edit(state)
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().flatten().view(torch.uint8)
+
+
+def assert_bit_exact(loaded: torch.nn.Module, original: torch.nn.Module) -> None:
+    want, got = original.state_dict(), loaded.state_dict()
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+        assert torch.equal(bits(got[name]), bits(tensor)), name
+    assert loaded.cfg == original.cfg
+
+
+@contextmanager
+def raises_with(exc_type, *fragments):
+    """pytest.raises(exc_type), and every fragment must be in the message."""
+    with pytest.raises(exc_type) as info:
+        yield info
+    msg = str(info.value)
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in {msg!r}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,15 @@ from safetensors.torch import load_file, save_file
 
 from dlite_trt.checkpoint import INDEX_NAME, WEIGHTS_NAME, load_draft, load_draft_config, save_draft
 from dlite_trt.errors import CheckpointError, IncompatibleDraftError
-from helpers import draft_config, make_target, random_draft
+from helpers import (
+    assert_bit_exact,
+    draft_config,
+    edit_config,
+    make_target,
+    raises_with,
+    random_draft,
+    rewrite_weights,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,45 +47,6 @@ def ckpt(draft, tmp_path) -> Path:
 
 def files_of(directory: Path) -> dict[str, bytes]:
     return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def edit_config(ckpt: Path, edit) -> None:
-    path = ckpt / "config.json"
-    raw = json.loads(path.read_text())
-    edit(raw)
-    path.write_text(json.dumps(raw, indent=2))
-
-
-def rewrite_weights(ckpt: Path, edit) -> None:
-    path = ckpt / WEIGHTS_NAME
-    state = load_file(str(path))
-    edit(state)
-    save_file(state, str(path), metadata={"format": "pt"})
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().flatten().view(torch.uint8)
-
-
-def assert_bit_exact(loaded: torch.nn.Module, original: torch.nn.Module) -> None:
-    want, got = original.state_dict(), loaded.state_dict()
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype, name
-        assert got[name].shape == tensor.shape, name
-        assert torch.equal(got[name], tensor), name
-        assert torch.equal(bits(got[name]), bits(tensor)), name
-    assert loaded.cfg == original.cfg
-
-
-@contextmanager
-def raises_with(exc_type, *fragments):
-    """pytest.raises(exc_type), and every fragment must be in the message."""
-    with pytest.raises(exc_type) as info:
-        yield info
-    msg = str(info.value)
-    for fragment in fragments:
-        assert fragment in msg, f"{fragment!r} not in {msg!r}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import onnx.shape_inference
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import ARCH_TARGETS, draft_config, make_target, random_draft
+from helpers import ARCH_TARGETS, draft_config, make_target, random_draft, reduced_vocab
 from onnx import helper, numpy_helper
 from polygraphy_data import ENV_VAR, feeds, write_request
 
@@ -58,10 +58,19 @@ from dlite_trt.model.target import TargetAdapter
 
 VOCAB = 64
 LIMITS = EngineLimits(max_batch=4, max_seq_len=64, max_chunk=16)
-COMBOS = [(1, 4), (1, 8), (2, 4), (2, 8)]  # (anchor_group_size G, block_size)
-COMBO_IDS = [f"G{g}-block{b}" for g, b in COMBOS]
-# The TensorRT lowering is exported again from scratch; two combos cover seeded 0/1 and K 3/7.
-TRT_COMBOS = [(1, 4), (2, 8)]
+DRAFT_VOCAB = 40  # V_d of the drafts with a reduced draft vocabulary (of VOCAB target tokens)
+# (anchor_group_size G, block_size[, draft vocabulary size]); the last: a reduced draft vocabulary
+COMBOS = [(1, 4), (1, 8), (2, 4), (2, 8), (2, 8, DRAFT_VOCAB)]
+
+
+def combo_id(combo: tuple[int, ...]) -> str:
+    return f"G{combo[0]}-block{combo[1]}" + (f"-vocab{combo[2]}" if len(combo) > 2 else "")
+
+
+COMBO_IDS = [combo_id(c) for c in COMBOS]
+# The TensorRT lowering is exported again from scratch; three combos cover seeded 0/1, K 3/7 and the
+# draft vocabulary's mapping around the plugin node.
+TRT_COMBOS = [(1, 4), (2, 8), (1, 4, DRAFT_VOCAB)]
 GRAPHS = GRAPH_NAMES  # prefill, step (greedy), prefill_sampling, step_sampling, decode
 DRAFT_GRAPHS = tuple(g for g in GRAPHS if g != "decode")  # the graphs with the draft's LowRankRecurrence node
 TEMPERATURES = np.array([0.0, 0.7, 1.3], dtype=np.float32)  # greedy and two sampling temperatures
@@ -103,6 +112,7 @@ class Engine:
     out: Path
     hf_target: torch.nn.Module  # shared by all engines (building one takes ~1 s)
     target_spec: TargetSpec
+    draft_vocab_size: int | None = None  # a reduced draft vocabulary of that many ids (reduced_vocab)
     target: TargetAdapter = field(init=False)
     draft: torch.nn.Module = field(init=False)
     contract: dict[str, GraphSpec] = field(init=False)
@@ -110,8 +120,10 @@ class Engine:
 
     def __post_init__(self) -> None:
         hf, spec = self.hf_target, self.target_spec
-        cfg = draft_config(spec, block_size=self.block, anchor_group_size=self.group)
-        self.draft = random_draft(cfg)
+        cfg = draft_config(spec, block_size=self.block, anchor_group_size=self.group,
+                           draft_vocab_size=self.draft_vocab_size)
+        ids = None if self.draft_vocab_size is None else reduced_vocab(spec.vocab_size, self.draft_vocab_size)
+        self.draft = random_draft(cfg, draft_vocab=ids)
         self.target = TargetAdapter(hf, spec, cfg.target_layer_ids).eval()
         self.contract = engine_contract(spec, cfg, LIMITS)
 
@@ -137,13 +149,14 @@ class EngineCache:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.hf_target, self.target_spec = make_target(VOCAB, seed=0)
-        self.engines: dict[tuple[int, int], Engine] = {}
+        self.engines: dict[tuple[int, int, int | None], Engine] = {}
 
-    def get(self, group: int, block: int) -> Engine:
-        if (group, block) not in self.engines:
-            self.engines[group, block] = Engine(group, block, self.root / f"G{group}-block{block}", self.hf_target,
-                                                self.target_spec)
-        return self.engines[group, block]
+    def get(self, group: int, block: int, draft_vocab_size: int | None = None) -> Engine:
+        key = (group, block, draft_vocab_size)
+        if key not in self.engines:
+            self.engines[key] = Engine(group, block, self.root / combo_id(tuple(k for k in key if k is not None)),
+                                       self.hf_target, self.target_spec, draft_vocab_size)
+        return self.engines[key]
 
 
 @pytest.fixture(scope="module")
@@ -279,9 +292,9 @@ def _check_recurrence_wiring(model: onnx.ModelProto, node: onnx.NodeProto, engin
     if sampling:
         assert _source(model, wire["temperature"]) == "temperature"
         assert _source(model, wire["uniforms"]) == "u_draft"
-        assert dict(zip(outputs, node.output, strict=True))["logits"] == "next_draft_logits"
     else:  # greedy graphs: no logits leave the graph
         assert "next_draft_logits" not in [o.name for o in model.graph.output]
+    _check_head_mapping(model, node, engine, outputs, sampling)
     initializers = {i.name: i for i in model.graph.initializer}
     weights = engine.draft.sequential_head.weights()
     for name in HeadWeights._fields:
@@ -291,6 +304,45 @@ def _check_recurrence_wiring(model: onnx.ModelProto, node: onnx.NodeProto, engin
                                       getattr(weights, name).detach().numpy(), err_msg=name)
     assert _attrs(node)["num_steps"] == engine.k
     assert _attrs(node)["seeded"] == int(engine.group > 1)
+
+
+HEAD_TABLES = ("draft.sequential_head.draft_vocab", "draft.sequential_head.target_to_draft")  # [V_d], [V] int64
+
+
+def _check_head_mapping(model: onnx.ModelProto, node: onnx.NodeProto, engine: Engine, outputs: tuple[str, ...],
+                        sampling: bool) -> None:
+    """Without a draft vocabulary the node reads the anchor the next block starts with and its tokens and
+    logits leave as they are: the export adds no op around it. With one, anchor and seed pass a Where (the
+    mask token's row for ids outside the draft vocabulary) first, the tokens a Gather of draft_vocab after,
+    and the sampling graphs' logits a Pad (the -inf column) and a Gather of target_to_draft (exact tables)."""
+    wire = dict(zip(INPUT_NAMES, node.input, strict=True))
+    out = dict(zip(outputs, node.output, strict=True))
+    producers = {o: n for n in model.graph.node for o in n.output}
+    concat = producers["next_block"]  # [anchor, d_1..d_K]
+    unsqueeze = producers[concat.input[0]]
+    assert concat.op_type == "Concat" and unsqueeze.op_type == "Unsqueeze"
+    block_anchor, block_tokens = unsqueeze.input[0], concat.input[1]
+    if engine.group == 1:  # no seed step: the node's seed_prev input is its anchor input
+        assert wire["seed_prev"] == wire["anchor"]
+    initializers = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    head = engine.draft.sequential_head
+    if head.draft_vocab is None:
+        assert wire["anchor"] == block_anchor and block_tokens == out["tokens"]
+        assert not sampling or out["logits"] == "next_draft_logits"
+        assert not set(HEAD_TABLES) & set(initializers) and "Pad" not in {n.op_type for n in model.graph.node}
+        return
+    draft_vocab, target_to_draft = HEAD_TABLES
+    np.testing.assert_array_equal(initializers[draft_vocab], head.draft_vocab.numpy())
+    np.testing.assert_array_equal(initializers[target_to_draft], head.target_to_draft.numpy())
+    assert producers[wire["anchor"]].op_type == "Where"
+    assert engine.group == 1 or producers[wire["seed_prev"]].op_type == "Where"
+    to_target = producers[block_tokens]
+    assert to_target.op_type == "Gather" and list(to_target.input) == [draft_vocab, out["tokens"]]
+    if sampling:
+        full = producers["next_draft_logits"]
+        pad = producers[full.input[0]]
+        assert full.op_type == "Gather" and full.input[1] == target_to_draft
+        assert pad.op_type == "Pad" and pad.input[0] == out["logits"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +417,7 @@ def test_onnxruntime_lowering(engine: Engine, graph: str) -> None:
     assert all(n.domain in ("", "ai.onnx") for n in function.node)  # the body is standard ops only
 
 
-@pytest.mark.parametrize("engine", TRT_COMBOS, indirect=True, ids=[f"G{g}-block{b}" for g, b in TRT_COMBOS])
+@pytest.mark.parametrize("engine", TRT_COMBOS, indirect=True, ids=[combo_id(c) for c in TRT_COMBOS])
 @pytest.mark.parametrize("graph", DRAFT_GRAPHS)  # decode has no recurrence node: its lowerings are the same
 def test_tensorrt_lowering(engine: Engine, graph: str) -> None:
     model = onnx.load(str(engine.onnx_path(graph, "tensorrt")))
@@ -450,3 +502,21 @@ def test_polygraphy_onnxrt_run(engine: Engine, graph: str, tmp_path: Path) -> No
     n = len(POLYGRAPHY_SIZES[_base(graph)])
     assert f"Passed: {n}/{n} iterations" in log, log[-4000:]
     assert "PASSED | Runtime" in log, log[-4000:]
+
+
+@pytest.mark.parametrize("graph", ["prefill_sampling", "step_sampling"])
+def test_draft_logits_outside_the_draft_vocabulary(engines: EngineCache, graph: str) -> None:
+    """With a draft vocabulary the draft's logits are -inf exactly at the target ids outside it (q = 0 there),
+    its proposals are ids inside it, and anchors outside it (read as the mask token) were drafted from."""
+    engine = engines.get(2, 8, DRAFT_VOCAB)
+    spec = engine.contract[graph]
+    session = ort.InferenceSession(str(engine.onnx_path(graph)), providers=["CPUExecutionProvider"])
+    inside = np.isin(np.arange(VOCAB), engine.draft.sequential_head.draft_vocab.numpy())  # [V]
+    anchors_outside = 0
+    for _, feed in _parity_feeds(engine, graph):
+        got = dict(zip(spec.output_names, session.run(spec.output_names, feed), strict=True))
+        logits = got["next_draft_logits"]  # [B, K, V]
+        assert np.isneginf(logits[..., ~inside]).all() and np.isfinite(logits[..., inside]).all()
+        assert inside[got["next_block"][:, 1:]].all()
+        anchors_outside += int((~inside[got["next_block"][:, 0]]).sum())
+    assert anchors_outside > 0

@@ -123,7 +123,7 @@ def test_student_is_a_loadable_lossless_dlite_v1_checkpoint(trained, learnable):
         out = pair.generator.generate([prompt], SamplingParams(max_new_tokens=20)).output_ids[0]
         assert out == hf_greedy(target, prompt, 20)
     plan = json.loads((root / "single" / "training.json").read_text())["plan"]
-    assert plan == {"stage1_steps": 0, "stage2_steps": 4, "lr": 3e-4, "snapshot_every": 0}
+    assert plan == {"stage1_steps": 0, "stage2_steps": 4, "lr": 3e-4, "snapshot_every": 0, "checkpoint_every": 100}
 
 
 def test_rerun_resumes_and_changes_nothing(trained):
@@ -258,3 +258,45 @@ def test_inform_then_train_on_answer_anchors(trained):
     not_cache = CliRunner().invoke(main, ["train", "inform", "--target", str(target), "--data", str(root / "data"),
                                           "--init", str(draft), "--out", str(root / "x")])
     assert not_cache.exit_code == 2 and "--states-for" in not_cache.output
+
+
+def test_corpus_mode_end_to_end(tiny_pair, tmp_path):
+    """`train data --corpus` (real code, raw and as chat turns), `train init --draft-vocab-size
+    --vocab-from` (the corpus' most frequent tokens, the mask token among them), `train inform`
+    and `train student` on the corpus: a loadable dlite_v1 draft with a reduced draft
+    vocabulary that decodes losslessly on the tiny pair; bad corpus arguments are refused."""
+    from dlite_trt.tiny_models import stdlib_files
+    from dlite_trt.training.corpus import read_corpus_mix
+
+    target, _ = tiny_pair
+    listing = tmp_path / "files.txt"
+    listing.write_text("".join(f"{p}\n" for p in stdlib_files("train")[:3]) + "# a comment\n")
+    runner = CliRunner()
+
+    def run(*args, code: int = 0):
+        result = runner.invoke(main, [str(a) for a in args])
+        assert result.exit_code == code, result.output
+        return result.output
+
+    run("train", "data", "--target", target, "--corpus", listing, "--out", tmp_path / "corpus", "--chat-share", "0.25")
+    mix = read_corpus_mix(tmp_path / "corpus", load_draft(tiny_pair[1]).cfg.vocab_size)
+    assert mix is not None and len(mix.parts) == 2 and sorted(mix.weights.tolist()) == [0.25, 0.75]
+    run("train", "init", "--target", target, "--out", tmp_path / "init", "--layers", "1", "--rank", "16",
+        "--chs-layers", "3", "--anchor-group-size", "2", "--draft-vocab-size", "300", "--vocab-from", tmp_path / "corpus")
+    init = load_draft(tmp_path / "init")
+    assert init.cfg.draft_vocab_size == 300 and init.cfg.mask_token_id in init.sequential_head.draft_vocab.tolist()
+    run("train", "inform", "--target", target, "--data", tmp_path / "corpus", "--init", tmp_path / "init",
+        "--out", tmp_path / "informed", "--sequences", "2")
+    run("train", "student", "--target", target, "--data", tmp_path / "corpus", "--init", tmp_path / "informed",
+        "--out", tmp_path / "student", "--single-stage", "--stage1-steps", "0", "--stage2-steps", "3",
+        "--seq-len", "48", "--batch-seqs", "2", "--anchors", "8", "--anchor-weight", "depth", "--min-context", "4",
+        "--quiet")
+    pair = load_pair(target, tmp_path / "student")
+    prompt = [5, 6, 7, 100, 200]
+    assert pair.generator.generate([prompt], SamplingParams(max_new_tokens=20)).output_ids[0] == \
+        hf_greedy(target, prompt, 20)
+    assert "either --prompts" in run("train", "data", "--target", target, "--out", tmp_path / "x", code=2)
+    assert "does not exist" in run("train", "data", "--target", target, "--corpus", tmp_path / "missing",
+                                   "--out", tmp_path / "y", code=1)
+    assert "go together" in run("train", "init", "--target", target, "--out", tmp_path / "z",
+                                "--draft-vocab-size", "300", code=2)

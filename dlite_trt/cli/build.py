@@ -74,7 +74,10 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
                                                  max_chunk=max_chunk))
     manifest = build_engine(target, draft, out, settings, progress=not quiet)
     total = sum(r["bytes"] for r in manifest.files.values())
-    click.echo(f"engine {out}: {backend} {manifest.weights.describe(dtype)}, block size {manifest.block_size}, "
+    vocab = manifest.draft_config.draft_vocab_size
+    drafts = "" if vocab is None else f", draft vocabulary {vocab} of {manifest.target_spec.vocab_size} tokens"
+    click.echo(f"engine {out}: {backend} {manifest.weights.describe(dtype)}, block size {manifest.block_size}"
+               f"{drafts}, "
                f"max batch {max_batch}, max seq len {manifest.limits.max_seq_len}; {len(manifest.files)} files, {total / 2**20:.1f} MiB, "
                f"built in {manifest.build['seconds']:.1f} s")
     if not no_calibrate and not random_weights:  # random weights: nothing to accept

@@ -19,6 +19,7 @@ import click
 from dlite_trt.cli.inputs import SEED, TEMPERATURE
 
 SEQUENCES = "sequences.jsonl"
+CORPUS_WINDOW = 256  # tokens of each corpus window `train inform` reads the target's states over
 
 
 def _target(target: str, random_weights: bool):
@@ -42,18 +43,20 @@ def _init_distributed() -> None:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
-def _batches(seq_len: int, batch_seqs: int, anchors: int, seed: int, anchor_region: str):
+def _batches(seq_len: int, batch_seqs: int, anchors: int, seed: int, anchor_region: str, anchor_weight: str,
+             min_context: int):
     from dlite_trt.training.pipeline import BatchSettings
 
     return BatchSettings(seq_len=seq_len, batch_seqs=batch_seqs, anchors=anchors, seed=seed,
-                         anchor_region=anchor_region)
+                         anchor_region=anchor_region, anchor_weight=anchor_weight, min_context=min_context)
 
 
 def _common(f):
     for option in reversed([
         click.option("--target", required=True, help="Model directory, .gguf file or preset name."),
         click.option("--data", "data", required=True, type=click.Path(path_type=Path, file_okay=False),
-                     help="Directory written by `dlite-trt train data`."),
+                     help="Directory written by `dlite-trt train data` (answered prompts, a state cache, or a "
+                          "corpus: one, or several in subdirectories mixed by mix.json)."),
         click.option("--init", "init", required=True, type=click.Path(path_type=Path, file_okay=False),
                      help="dlite_v1 checkpoint to start from (its config defines the draft)."),
         click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
@@ -67,6 +70,11 @@ def _common(f):
         click.option("--anchor-region", default="window", show_default=True, type=click.Choice(["window", "answer"]),
                      help="Where blocks are anchored: anywhere in the window, or only where they draft the "
                           "target's own answer (what decoding drafts; better on SmolLM2, docs/training.md)."),
+        click.option("--anchor-weight", default="uniform", show_default=True, type=click.Choice(["uniform", "depth"]),
+                     help="Corpus data: anchors drawn uniformly, or in proportion to how many of their labels are "
+                          "exact (the target's greedy continuation)."),
+        click.option("--min-context", default=1, show_default=True, type=click.IntRange(min=1),
+                     help="Corpus data: the first anchor position in a window (the least context its states have)."),
         click.option("--lr", default=3e-4, show_default=True, type=click.FloatRange(min=0, min_open=True),
                      help="Peak learning rate (then a cosine decay to a tenth of it)."),
         click.option("--seed", default=0, show_default=True, type=int,
@@ -86,11 +94,16 @@ def _load(target: str, random_weights: bool, data: Path, init: Path):
     from dlite_trt.training.data import read_sequences
     from dlite_trt.training.state_cache import META, StateCache
 
+    from dlite_trt.training.corpus import read_corpus_mix
+
     source, hf, _ = _target(target, random_weights)
     draft = load_draft(init, target=source.spec)
     adapter = TargetAdapter(hf, source.spec, draft.cfg.target_layer_ids).eval().requires_grad_(False)
     if (data / META).is_file():
         return adapter, StateCache(data, draft.cfg.target_layer_ids, source.spec.vocab_size), draft
+    mix = read_corpus_mix(data, source.spec.vocab_size)
+    if mix is not None:
+        return adapter, mix, draft
     return adapter, read_sequences(data / SEQUENCES, source.spec.vocab_size), draft
 
 
@@ -115,18 +128,35 @@ def command() -> None:
 @click.option("--mask-token-id", type=click.IntRange(min=0),
               help="Token id of the proposal slots' input [default: the tokenizer's mask token, else its unknown "
                    "token].")
+@click.option("--draft-vocab-size", type=click.IntRange(min=2),
+              help="A reduced draft vocabulary: the head proposes among this many target tokens, the most frequent "
+                   "in --vocab-from (verification stays over the full vocabulary) [default: all of them].")
+@click.option("--vocab-from", type=click.Path(path_type=Path, file_okay=False),
+              help="With --draft-vocab-size: a corpus from `dlite-trt train data --corpus` to count tokens in.")
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the initial weights.")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: its shape only (no weights needed).")
 def init(target: str, out: Path, layers: int, chs_layers: int, block_size: int, anchor_group_size: int, rank: int,
-         mask_token_id: int | None, seed: int, random_weights: bool) -> None:
+         mask_token_id: int | None, draft_vocab_size: int | None, vocab_from: Path | None, seed: int,
+         random_weights: bool) -> None:
     """Write an untrained dlite_v1 draft shaped for the target (the --init of teacher/student)."""
     from dlite_trt.targets import load_tokenizer, resolve_target, stop_token_ids
     from dlite_trt.training.init_draft import pick_mask_token, write_initial_draft
 
+    if (draft_vocab_size is None) != (vocab_from is None):
+        raise click.UsageError("--draft-vocab-size and --vocab-from go together")
     source = resolve_target(target, random_weights=random_weights)
     tokenizer = load_tokenizer(source)
     mask = pick_mask_token(tokenizer, source.spec, stop_token_ids(source, tokenizer), mask_token_id)
-    cfg = write_initial_draft(out, source.spec, mask, seed=seed, num_hidden_layers=layers,
+    draft_vocab = None
+    if vocab_from is not None:
+        from dlite_trt.training.corpus import frequent_vocabulary, read_corpus_mix
+
+        mix = read_corpus_mix(vocab_from, source.spec.vocab_size)
+        if mix is None:
+            raise click.UsageError(f"{vocab_from} holds no corpus; write one with `dlite-trt train data --corpus`")
+        counts = sum(part.token_counts(source.spec.vocab_size) for part in mix.parts)
+        draft_vocab = frequent_vocabulary(counts, draft_vocab_size, must_include=[mask]).tolist()
+    cfg = write_initial_draft(out, source.spec, mask, seed=seed, draft_vocab=draft_vocab, num_hidden_layers=layers,
                               chs_num_layers=chs_layers, block_size=block_size, anchor_group_size=anchor_group_size,
                               sequential_rank=rank)
     token = tokenizer.convert_ids_to_tokens(mask) if tokenizer is not None else mask
@@ -137,8 +167,15 @@ def init(target: str, out: Path, layers: int, chs_layers: int, block_size: int, 
 
 @command.command("data")
 @click.option("--target", required=True, help="Model directory, .gguf file or preset name.")
-@click.option("--prompts", required=True, type=click.Path(path_type=Path),
-              help="JSONL of prompts ({prompt|messages|input_ids}) or a directory of text files.")
+@click.option("--prompts", type=click.Path(path_type=Path),
+              help="JSONL of prompts ({prompt|messages|input_ids}) or a directory of text files, answered by the "
+                   "target.")
+@click.option("--corpus", type=click.Path(path_type=Path),
+              help="Instead of --prompts: real code, no answers generated (exact labels from one pass of the "
+                   "target while training): a directory of Python files or a file listing files and directories.")
+@click.option("--chat-share", default=0.3, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+              help="With --corpus: the share of training windows from the files' documented functions framed as "
+                   "chat turns (request from the docstring, the code as the answer).")
 @click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
               help="Directory to write sequences.jsonl into.")
 @click.option("--max-prompt-tokens", default=256, show_default=True, type=click.IntRange(min=1),
@@ -159,15 +196,31 @@ def init(target: str, out: Path, layers: int, chs_layers: int, block_size: int, 
 @click.option("--seed", default=0, show_default=True, type=SEED,
               help="Seed of the prompt cuts and of sampling (same seed, same data).")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
-def data(target: str, prompts: Path, out: Path, max_prompt_tokens: int, max_new_tokens: int,
-         max_prompts: int | None, temperature: float, batch_size: int, states_for: Path | None, top_k: int, seed: int,
-         random_weights: bool) -> None:
-    """Answer prompts with the target itself; write token ids to OUT/sequences.jsonl."""
+def data(target: str, prompts: Path | None, corpus: Path | None, chat_share: float, out: Path, max_prompt_tokens: int,
+         max_new_tokens: int, max_prompts: int | None, temperature: float, batch_size: int, states_for: Path | None,
+         top_k: int, seed: int, random_weights: bool) -> None:
+    """Answer prompts with the target itself (token ids to OUT/sequences.jsonl), or tokenize a
+    corpus of real code into OUT (--corpus)."""
     from dlite_trt.model.target import TargetAdapter
     from dlite_trt.runtime.reference import SpeculativeGenerator
     from dlite_trt.targets import stop_token_ids
     from dlite_trt.training.data import answer_prompts, read_prompts, write_sequences
 
+    if (prompts is None) == (corpus is None):
+        raise click.UsageError("pass either --prompts (answered by the target) or --corpus (real code)")
+    if corpus is not None:
+        from dlite_trt.targets import load_tokenizer, resolve_target
+        from dlite_trt.training.corpus import listed_sources, write_corpus_parts
+
+        source = resolve_target(target, random_weights=random_weights)
+        tokenizer = load_tokenizer(source)
+        if tokenizer is None or tokenizer.eos_token_id is None:
+            raise click.UsageError(f"{target} has no tokenizer with an end-of-sequence token to build a corpus with")
+        sizes = write_corpus_parts(listed_sources(corpus), tokenizer, out, chat_share=chat_share,
+                                   eos_id=tokenizer.eos_token_id, tokenizer_name=source.name,
+                                   vocab_size=source.spec.vocab_size, seed=seed)
+        click.echo(f"corpus {sizes} -> {out}; train on it with --data {out}")
+        return
     source, hf, tokenizer = _target(target, random_weights)
     ids = read_prompts(prompts, tokenizer, max_prompt_tokens=max_prompt_tokens, max_prompts=max_prompts, seed=seed)
     stops = stop_token_ids(source, tokenizer)
@@ -201,8 +254,8 @@ def data(target: str, prompts: Path, out: Path, max_prompt_tokens: int, max_new_
 @click.option("--window", default=16, show_default=True, type=click.IntRange(min=0),
               help="Past positions the teacher sees beyond the pivot.")
 @click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1), help="Training steps.")
-def teacher(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region, lr, seed, random_weights, quiet,
-            window, steps) -> None:
+def teacher(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region, anchor_weight, min_context, lr, seed,
+            random_weights, quiet, window, steps) -> None:
     """Train the isomorphic history-aware teacher."""
     from dlite_trt.training.pipeline import train_teacher
     from dlite_trt.training.trainer import TrainSettings
@@ -210,7 +263,8 @@ def teacher(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region
     _init_distributed()
     adapter, sequences, draft = _load(target, random_weights, data, init)
     train_teacher(adapter, sequences, draft, out, TrainSettings(steps=steps, lr=lr),
-                  _batches(seq_len, batch_seqs, anchors, seed, anchor_region), window, progress=not quiet)
+                  _batches(seq_len, batch_seqs, anchors, seed, anchor_region, anchor_weight, min_context), window,
+                  progress=not quiet)
     click.echo(f"teacher -> {out}")
 
 
@@ -223,8 +277,8 @@ def teacher(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region
 @click.option("--stage2-steps", default=1000, show_default=True, type=click.IntRange(min=1),
               help="Stage 2 steps: CE + TV against the target.")
 @click.option("--single-stage", is_flag=True, help="Skip stage 1 (the ablation): stage 2 for both budgets.")
-def student(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region, lr, seed, random_weights, quiet,
-            teacher_dir, stage1_steps, stage2_steps, single_stage) -> None:
+def student(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region, anchor_weight, min_context, lr, seed,
+            random_weights, quiet, teacher_dir, stage1_steps, stage2_steps, single_stage) -> None:
     """Train the student: stage 1 (KL to the teacher), stage 2 (CE + TV against the target)."""
     from dlite_trt.training.pipeline import StudentPlan, load_teacher, train_student
 
@@ -237,21 +291,22 @@ def student(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region
             raise click.UsageError("two-stage training needs --teacher DIR (or pass --single-stage)")
         plan = StudentPlan(stage1_steps=stage1_steps, stage2_steps=stage2_steps, lr=lr)
     mentor = load_teacher(teacher_dir) if plan.stage1_steps else None
-    train_student(adapter, sequences, draft, out, plan, _batches(seq_len, batch_seqs, anchors, seed, anchor_region),
-                  mentor, progress=not quiet)
+    train_student(adapter, sequences, draft, out, plan,
+                  _batches(seq_len, batch_seqs, anchors, seed, anchor_region, anchor_weight, min_context), mentor,
+                  progress=not quiet)
     click.echo(f"dlite_v1 draft -> {out}")
 
 
 @command.command("inform")
 @click.option("--target", required=True, help="Model directory, .gguf file or preset name.")
 @click.option("--data", "data", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="A state cache: the directory `dlite-trt train data --states-for INIT` wrote.")
+              help="A state cache (`dlite-trt train data --states-for INIT`) or a corpus (`--corpus`).")
 @click.option("--init", "init", required=True, type=click.Path(path_type=Path, file_okay=False),
               help="The dlite_v1 checkpoint from `dlite-trt train init`.")
 @click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
               help="Where the informed dlite_v1 checkpoint goes (a new directory); train from it with --init.")
 @click.option("--sequences", default=200, show_default=True, type=click.IntRange(min=1),
-              help="Cached sequences whose states the initialisation is computed from.")
+              help="Cached sequences (or corpus windows) whose states the initialisation is computed from.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Which sequences.")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
 def inform(target: str, data: Path, init: Path, out: Path, sequences: int, seed: int, random_weights: bool) -> None:
@@ -263,12 +318,18 @@ def inform(target: str, data: Path, init: Path, out: Path, sequences: int, seed:
     from dlite_trt.training.init_draft import require_new_dir
     from dlite_trt.training.state_cache import META
 
+    from dlite_trt.training.corpus import CorpusMix
+    from dlite_trt.training.informed_init import sample_corpus_states
+
     require_new_dir(out)
-    if not (data / META).is_file():
-        raise click.UsageError(f"{data} is not a state cache (no {META}); write one with `dlite-trt train data "
-                               "--states-for INIT`.")
     adapter, cache, draft = _load(target, random_weights, data, init)
-    informed_init(draft, adapter.lm_head.weight, adapter.model.norm.weight, None,
-                  sample_states(cache, sequences, seed=seed))
+    if isinstance(cache, CorpusMix):  # states of the target over corpus windows, one sequence's worth each
+        states = sample_corpus_states(adapter, cache, sequences, CORPUS_WINDOW, seed=seed)
+    elif (data / META).is_file():
+        states = sample_states(cache, sequences, seed=seed)
+    else:
+        raise click.UsageError(f"{data} is neither a state cache (no {META}; `dlite-trt train data --states-for "
+                               "INIT`) nor a corpus (`dlite-trt train data --corpus`).")
+    informed_init(draft, adapter.lm_head.weight, adapter.model.norm.weight, None, states)
     save_draft(draft, out)
     click.echo(f"informed dlite_v1 draft -> {out}")

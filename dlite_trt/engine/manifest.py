@@ -171,7 +171,10 @@ class Manifest:
             "block_size": self.block_size,
             "target": {"name": self.target_name, "config": self.target_spec.to_hf_config(),
                        "sha256": self.target_sha256},
-            "draft": {"config": self.draft_config.to_dict(), "sha256": self.draft_sha256},
+            # draft_vocab_size: V_d of a reduced draft vocabulary, null for the full vocabulary (also in the
+            # config; the draft vocabulary itself is in the draft's weights, which sha256 covers)
+            "draft": {"config": self.draft_config.to_dict(), "sha256": self.draft_sha256,
+                      "draft_vocab_size": self.draft_config.draft_vocab_size},
             "stop_token_ids": list(self.stop_token_ids),
             "graphs": self.graphs,
             "contract": {name: g.to_dict() for name, g in self.contract.items()},
@@ -231,6 +234,10 @@ class Manifest:
                 weights=WeightFormat.from_dict(data["weights"], where) if "weights" in data else WeightFormat(),
                 dlite_trt_version=data["dlite_trt_version"], format_version=version)
             manifest.check_consistent(where)
+            if data["draft"].get("draft_vocab_size", manifest.draft_config.draft_vocab_size) \
+                    != manifest.draft_config.draft_vocab_size:
+                raise EngineError(f"{where}: draft_vocab_size {data['draft']['draft_vocab_size']!r} differs from the "
+                                  "draft config's; the manifest was edited or is corrupt. Rebuild the engine.")
             return manifest
         except EngineError:
             raise

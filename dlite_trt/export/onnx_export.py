@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+from onnx import numpy_helper
 
 from dlite_trt.export.contract import GraphSpec, dummy_inputs
 from dlite_trt.export.graphs import graph_module
@@ -58,6 +59,37 @@ def _declare_output_shapes(model: onnx.ModelProto, graph: GraphSpec) -> None:
                 dim.dim_value = want
 
 
+def _constants_as_initializers(model: onnx.ModelProto, tables: dict[str, torch.Tensor]) -> None:
+    """The tracer inlines non-persistent buffers (the draft head's ``target_to_draft`` [V]) as Constant
+    nodes; make each Constant equal to one of ``tables`` (name -> tensor) that initializer instead, named as
+    the buffer and stored (once) with the weights (in place). Equal values: the graph computes the same."""
+    arrays = {name: t.detach().cpu().numpy() for name, t in tables.items()}
+
+    def table_of(node: onnx.NodeProto) -> str | None:
+        if node.op_type != "Constant" or [a.name for a in node.attribute] != ["value"]:
+            return None
+        value = numpy_helper.to_array(node.attribute[0].t)
+        return next((n for n, a in arrays.items() if value.shape == a.shape and value.dtype == a.dtype
+                     and np.array_equal(value, a)), None)
+
+    renames = {node.output[0]: name for node in model.graph.node if (name := table_of(node)) is not None}
+    kept = [node for node in model.graph.node if node.output[0] not in renames]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    for node in model.graph.node:
+        node.input[:] = [renames.get(i, i) for i in node.input]
+    for name in sorted(set(renames.values())):
+        model.graph.initializer.append(numpy_helper.from_array(arrays[name], name))
+
+
+def _head_tables(module: torch.nn.Module, draft: DLiteDraft) -> dict[str, torch.Tensor]:
+    """The draft head's derived buffers by their names in ``module`` (none without a draft vocabulary)."""
+    head = draft.sequential_head
+    if head.target_to_draft is None:
+        return {}
+    return {name: b for name, b in module.named_buffers() if b is head.target_to_draft}
+
+
 def export_graph(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft, path: Path, *,
                  lowering: str = "onnxruntime") -> Path:
     """Write ``path`` (+ ``path.data`` with the weights); returns ``path``."""
@@ -78,6 +110,8 @@ def export_graph(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft, pat
                               do_constant_folding=True)
         model = onnx.load(str(raw), load_external_data=False)
         _declare_output_shapes(model, graph)
+        if module.uses_draft and (tables := _head_tables(module, draft)):
+            _constants_as_initializers(model, tables)
         if module.uses_draft and lowering == "onnxruntime":
             body = recurrence_function(draft.sequential_head, draft.cfg.num_proposals,
                                        draft.cfg.anchor_group_size > 1, module.sampling, dtype)

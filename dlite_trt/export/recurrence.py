@@ -3,7 +3,9 @@
 Its identity (domain, op name, version) and the TensorRT plugin's name, namespace and version
 are defined here once; the TensorRT plugin (plugins/lowrank_recurrence) imports them.
 
-Node contract (inputs in this order, outputs, attributes):
+Node contract (inputs in this order, outputs, attributes). Tokens are rows of the head's
+vocabulary: the target's V ids, or with a reduced draft vocabulary its V_d rows (then V below is
+V_d, and the graph maps target ids to rows before the node and rows back after it):
     draft_hidden [B, K, H] float   the backbone's output
     anchor       [B] int64         prev token of step 1
     seed_prev    [B] int64         token before the anchor (read only when seeded = 1)
@@ -93,7 +95,9 @@ def low_rank_recurrence(head: SequentialHead, draft_hidden: torch.Tensor, anchor
                         seed_prev: torch.Tensor | None, temperature: torch.Tensor | None,
                         uniforms: torch.Tensor | None) -> HeadOutput:
     """The head's K steps (greedy when ``temperature`` is None); one custom node when traced for
-    ONNX export, the reference otherwise."""
+    ONNX export, the reference otherwise. Tokens [B, K] are target ids and logits [B, K, V] span the
+    target vocabulary: with a draft vocabulary the node works in draft rows (its ``vocab`` is V_d)
+    and the head's standard-op mapping surrounds it (``SequentialHead.mapped``)."""
     if not torch.onnx.is_in_onnx_export():
         out = head(draft_hidden, anchor, seed_prev, 0.0 if temperature is None else temperature, uniforms)
         return HeadOutput(out.tokens, out.logits.float())
@@ -102,10 +106,14 @@ def low_rank_recurrence(head: SequentialHead, draft_hidden: torch.Tensor, anchor
     if not sampling:  # the node's inputs are fixed; greedy graphs feed zeros it does not read
         temperature = draft_hidden.new_zeros(b, dtype=torch.float32)
         uniforms = draft_hidden.new_zeros(b, num_steps, dtype=torch.float32)
-    tokens, logits = _RecurrenceOp.apply(draft_hidden, anchor, seed_prev if seeded else anchor, temperature,
-                                         uniforms, num_steps, int(head.output_proj.weight.shape[0]), seeded,
-                                         sampling, *head.weights())
-    return HeadOutput(tokens, logits)
+    rows = int(head.output_proj.weight.shape[0])  # V, or V_d with a draft vocabulary
+
+    def node(anchor_row: torch.Tensor, seed_row: torch.Tensor | None) -> HeadOutput:
+        tokens, logits = _RecurrenceOp.apply(draft_hidden, anchor_row, seed_row if seeded else anchor_row,
+                                             temperature, uniforms, num_steps, rows, seeded, sampling, *head.weights())
+        return HeadOutput(tokens, logits)
+
+    return head.mapped(node, anchor, seed_prev)
 
 
 class _Body(nn.Module):

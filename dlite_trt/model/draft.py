@@ -72,7 +72,8 @@ class DLiteDraft(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layer_depth_embedding = nn.Embedding(cfg.num_target_layers, cfg.hidden_size)
         self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.sequential_head = SequentialHead(cfg.vocab_size, cfg.sequential_rank, cfg.hidden_size)
+        self.sequential_head = SequentialHead(cfg.vocab_size, cfg.sequential_rank, cfg.hidden_size,
+                                              cfg.draft_vocab_size, cfg.mask_token_id)
 
     def backbone(
         self,

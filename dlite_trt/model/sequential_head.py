@@ -7,10 +7,15 @@ logits_k = output_proj(z); d_k = argmax (or a sample); prev_1 = anchor, prev_{k+
 ``recurrence`` is the whole K-step loop as a pure function of its inputs and the six head
 weights. It is the one definition of the head: ``SequentialHead`` calls it with its
 parameters, and the exporter turns it into the body of the ``LowRankRecurrence`` node.
+
+With an optional reduced draft vocabulary (V_d of the target's V ids, ``draft_vocab_size``) the
+recurrence is unchanged and works in draft rows (``prev`` and the argmax index the head's V_d
+rows); ``SequentialHead`` maps target ids to rows before it and rows back to ids after it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -22,14 +27,14 @@ from dlite_trt.runtime.sampling import sample_from_logits
 
 
 class HeadOutput(NamedTuple):
-    tokens: torch.Tensor  # [B, K] int64 draft tokens
-    logits: torch.Tensor  # [B, K, V] the logits each token was chosen from
+    tokens: torch.Tensor  # [B, K] int64 draft tokens (draft rows inside the recurrence, else target ids)
+    logits: torch.Tensor  # [B, K, V] the logits each token was chosen from (V_d columns inside the recurrence)
 
 
 class HeadWeights(NamedTuple):
     """The head's weights, named as in the checkpoint (``sequential_head.<name>``, dots -> _)."""
 
-    prev_token_embedding: torch.Tensor  # [V, r]
+    prev_token_embedding: torch.Tensor  # [V, r] (V_d rows with a draft vocabulary, as output_proj)
     state_proj_weight: torch.Tensor  # [2r, 2r]
     state_proj_bias: torch.Tensor  # [2r]
     state_hidden_mlp_weight: torch.Tensor  # [r, r + H]
@@ -80,15 +85,123 @@ def recurrence(
     return HeadOutput(torch.stack(tokens, dim=1), torch.stack(logits, dim=1))
 
 
+def draft_vocab_problem(ids: torch.Tensor, vocab_size: int, mask_token_id: int) -> str | None:
+    """What is wrong with a draft vocabulary (ids [V_d] int64, the target id of each draft row), or None.
+
+    Each id must name one target token, once; the mask token must be among them, since a token
+    the draft cannot name is read as the mask token (``SequentialHead.to_draft``)."""
+    if ids.ndim != 1 or ids.dtype != torch.long:
+        return f"the draft vocabulary must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}"
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.numel():
+        return (f"the draft vocabulary has {outside.numel()} id(s) outside the target vocabulary [0, {vocab_size}), "
+                f"e.g. {outside[:5].tolist()}")
+    unique, counts = ids.unique(return_counts=True)
+    if len(unique) != len(ids):
+        return f"the draft vocabulary lists {int((counts > 1).sum())} id(s) more than once, e.g. " \
+               f"{unique[counts > 1][:5].tolist()}"
+    if not bool((ids == mask_token_id).any()):
+        return (f"the draft vocabulary lacks the mask token {mask_token_id} (tokens outside the draft vocabulary "
+                "are read as the mask token, so it needs a row)")
+    return None
+
+
+def default_draft_vocab(vocab_size: int, size: int, mask_token_id: int) -> torch.Tensor:
+    """The lowest ``size`` target ids, the mask token taking the last row when it is not among them: [V_d]."""
+    ids = torch.arange(size)
+    return ids if mask_token_id < size else torch.cat([ids[:-1], ids.new_tensor([mask_token_id])])
+
+
 class SequentialHead(nn.Module):
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
+    """The head's parameters, and optionally a reduced draft vocabulary.
+
+    With ``draft_vocab_size`` V_d the head proposes among V_d of the target's V tokens (EAGLE-3's
+    draft vocabularies, FR-Spec): its embedding and projection have V_d rows ("draft rows"),
+    ``draft_vocab`` [V_d] holds the target id of each row and ``target_to_draft`` [V] the row of
+    each target id (V_d for ids outside). The recurrence runs in draft rows; ``forward`` maps its
+    inputs in and its outputs back to target ids, with logits over the full target vocabulary
+    (-inf outside the draft vocabulary). Without one, forward runs the recurrence as is.
+    """
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, draft_vocab_size: int | None = None,
+                 mask_token_id: int | None = None) -> None:
         super().__init__()
+        if draft_vocab_size is not None and mask_token_id is None:
+            raise ValueError("a head with a draft vocabulary needs the mask_token_id (the row of the tokens it "
+                             "cannot name)")
+        self.vocab_size = vocab_size
         self.rank = rank
         self.hidden_size = hidden_size
-        self.prev_token_embedding = nn.Embedding(vocab_size, rank)
-        self.output_proj = nn.Linear(rank, vocab_size, bias=False)
+        self.mask_token_id = mask_token_id
+        rows = vocab_size if draft_vocab_size is None else draft_vocab_size
+        self.prev_token_embedding = nn.Embedding(rows, rank)
+        self.output_proj = nn.Linear(rank, rows, bias=False)
         self.state_proj = nn.Linear(2 * rank, 2 * rank)
         self.state_hidden_mlp = nn.Linear(rank + hidden_size, rank)
+        self.register_buffer("draft_vocab", None)  # [V_d] int64, persistent (a checkpoint tensor)
+        self.register_buffer("target_to_draft", None, persistent=False)  # [V] int64, derived from draft_vocab
+        if draft_vocab_size is not None:
+            self._install(default_draft_vocab(vocab_size, draft_vocab_size, mask_token_id))
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        return None if self.draft_vocab is None else static_size(self.draft_vocab, 0)
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Use ``ids`` [V_d] int64 (the target id of each draft row) as the draft vocabulary."""
+        if self.draft_vocab is None:
+            raise ValueError("this head has no draft vocabulary (build it with draft_vocab_size to give it one)")
+        if tuple(ids.shape) != tuple(self.draft_vocab.shape):
+            raise ValueError(f"the draft vocabulary must have the head's {self.draft_vocab_size} rows, "
+                             f"got {tuple(ids.shape)}")
+        problem = draft_vocab_problem(ids, self.vocab_size, self.mask_token_id)
+        if problem is not None:
+            raise ValueError(f"{problem}; pass distinct target ids in [0, {self.vocab_size}) that include the mask "
+                             f"token {self.mask_token_id}.")
+        self._install(ids if self.draft_vocab.is_meta else ids.to(self.draft_vocab.device))
+
+    def _install(self, ids: torch.Tensor) -> None:
+        """Set draft_vocab [V_d] and rebuild target_to_draft [V] from it (the sentinel V_d outside)."""
+        rows = torch.arange(len(ids), device=ids.device)  # [V_d]
+        sentinel = torch.full((self.vocab_size,), len(ids), dtype=torch.long, device=ids.device)
+        self.draft_vocab = ids
+        self.target_to_draft = sentinel.scatter(0, ids, rows)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if self.draft_vocab is not None and prefix + "draft_vocab" in state_dict:
+            self.set_draft_vocab(self.draft_vocab)  # checks the loaded ids and rebuilds target_to_draft
+
+    def to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids [...] -> draft rows [...]; a token the draft cannot name is read as the mask token."""
+        if self.target_to_draft is None:
+            return target_ids
+        rows = self.target_to_draft[target_ids]  # [...] (V_d outside the draft vocabulary)
+        mask_row = self.target_to_draft[self.mask_token_id]  # a constant of the exported graph
+        return torch.where(rows < static_size(self.draft_vocab, 0), rows, mask_row)
+
+    def to_target(self, draft_rows: torch.Tensor) -> torch.Tensor:
+        """Draft rows [...] -> target ids [...]."""
+        return draft_rows if self.draft_vocab is None else self.draft_vocab[draft_rows]
+
+    def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Logits over draft rows [..., V_d] -> over the target vocabulary [..., V], -inf outside the draft
+        vocabulary (a -inf column appended at index V_d, gathered by target_to_draft's sentinel)."""
+        if self.target_to_draft is None:
+            return draft_logits
+        padded = F.pad(draft_logits, (0, 1), value=float("-inf"))  # [..., V_d + 1]
+        return padded.index_select(-1, self.target_to_draft)  # [..., V]
+
+    def mapped(self, run: Callable[[torch.Tensor, torch.Tensor | None], HeadOutput], anchor: torch.Tensor,
+               seed_prev: torch.Tensor | None) -> HeadOutput:
+        """``run(anchor_row, seed_row)`` (the recurrence, in draft rows) with target ids in and out: tokens
+        [B, K] as target ids, logits [B, K, V] over the target vocabulary. No mapping without a draft vocabulary."""
+        if self.draft_vocab is None:
+            return run(anchor, seed_prev)
+        out = run(self.to_draft(anchor), None if seed_prev is None else self.to_draft(seed_prev))
+        return HeadOutput(self.to_target(out.tokens), self.full_logits(out.logits))
 
     def weights(self) -> HeadWeights:
         return HeadWeights(self.prev_token_embedding.weight, self.state_proj.weight, self.state_proj.bias,
@@ -97,11 +210,12 @@ class SequentialHead(nn.Module):
     def forward(
         self,
         draft_hidden: torch.Tensor,  # [B, K, H]
-        anchor: torch.Tensor,  # [B] int64
-        seed_prev: torch.Tensor | None,  # [B] int64 token at anchor_pos - 1 (G > 1), else None
+        anchor: torch.Tensor,  # [B] int64 target id
+        seed_prev: torch.Tensor | None,  # [B] int64 target id at anchor_pos - 1 (G > 1), else None
         temperature: float | torch.Tensor = 0.0,
         uniforms: torch.Tensor | None = None,  # [B, K] in [0, 1), required when temperature > 0
     ) -> HeadOutput:
         if draft_hidden.ndim != 3 or draft_hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"draft_hidden must be [B, K, {self.hidden_size}], got {tuple(draft_hidden.shape)}")
-        return recurrence(self.weights(), draft_hidden, anchor, seed_prev, temperature, uniforms)
+        return self.mapped(lambda a, s: recurrence(self.weights(), draft_hidden, a, s, temperature, uniforms),
+                           anchor, seed_prev)

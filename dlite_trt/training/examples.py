@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from dlite_trt.model.target import TargetAdapter
+from dlite_trt.training.corpus import exact_depth
 
 
 DENSE_TOP_K = 256  # tokens of the target's distribution kept when it comes as full logits
@@ -34,8 +35,9 @@ class TargetTopK(NamedTuple):
 
     @classmethod
     def of_logits(cls, logits: torch.Tensor, k: int = DENSE_TOP_K) -> TargetTopK:
-        probs, ids = torch.softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-        return cls(ids, probs)
+        logits = logits.float()
+        top, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)  # no vocabulary-sized softmax is written
+        return cls(ids, (top - logits.logsumexp(-1, keepdim=True)).exp())
 
 
 class DraftExamples(NamedTuple):
@@ -68,11 +70,15 @@ def target_states(target: TargetAdapter, tokens: torch.Tensor) -> tuple[torch.Te
 
 def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, target: torch.Tensor | TargetTopK, anchors: torch.Tensor,
                    group_size: int, num_proposals: int, window: int = 0,
-                   window_layers: tuple[int, int, int] = (0, 0, 0)) -> DraftExamples:
+                   window_layers: tuple[int, int, int] = (0, 0, 0), exact_only: bool = False) -> DraftExamples:
     """Examples at ``anchors`` [B, A] (positions 1..L-2) of each sequence; N = B * A blocks.
 
     ``target``: the target's logits [B, L, V] (their top ``DENSE_TOP_K`` are kept) or its
     top-k distribution at every position (``TargetTopK``, e.g. from a state cache).
+
+    ``exact_only``: a label counts only while it is the target's greedy continuation from the
+    anchor, i.e. up to and including the first position where the text leaves the target's
+    own choice (``corpus.exact_depth``); on the target's own output every label is exact.
 
     ``window`` > 0 adds the history-aware teacher's inputs: the hidden states of the selected
     layers ``window_layers`` (indices into S) at the W positions before the pivot.
@@ -90,6 +96,9 @@ def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, target: torch.Ten
     safe = target_pos.clamp(max=length - 1)
     if not isinstance(target, TargetTopK):
         target = TargetTopK.of_logits(target)
+    if exact_only:
+        depth = exact_depth(tokens, target.ids[..., 0], num_proposals)[rows, a]  # [N]
+        valid &= k[None, :] <= depth[:, None]
     block_ids, block_probs = target.ids[rows[:, None], safe], target.probs[rows[:, None], safe].float()  # [N, K, k]
     teacher = torch.where(valid, tokens[rows[:, None], (a[:, None] + k[None, :]).clamp(max=length - 1)], 0)
     offsets = torch.arange(group_size - 1, -1, -1, device=tokens.device)  # [G]: a-G+1 .. a

@@ -30,6 +30,9 @@ from torch import nn
 
 from dlite_trt.errors import ConfigError
 from dlite_trt.model.draft import DLiteDraft
+from dlite_trt.model.target import TargetAdapter
+from dlite_trt.training.corpus import CorpusMix
+from dlite_trt.training.examples import target_states
 from dlite_trt.training.state_cache import StateCache
 
 PARTS = ("center", "head", "prev_embedding", "norm", "layers")
@@ -45,6 +48,16 @@ def sample_states(cache: StateCache, rows: int, seed: int = 0) -> torch.Tensor:
     if not parts:
         raise ConfigError(f"the state cache has no sequence longer than {SINK + 1} tokens to initialise from")
     return torch.cat(parts)
+
+
+@torch.no_grad()
+def sample_corpus_states(target: TargetAdapter, corpus: CorpusMix, windows: int, length: int,
+                         seed: int = 0) -> torch.Tensor:
+    """[N, S, H] the target's states of the draft's layers over ``windows`` seeded corpus windows
+    of ``length`` tokens, positions past the sink."""
+    tokens = corpus.windows(windows, length, torch.Generator().manual_seed(seed))
+    hidden = torch.cat([target_states(target, row[None])[0] for row in tokens])  # [W, L, S, H]
+    return hidden[:, SINK:].flatten(0, 1)
 
 
 def whitened_factors(lm_head: torch.Tensor, final_states: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +85,8 @@ def informed_init(draft: DLiteDraft, lm_head: torch.Tensor, final_norm: torch.Te
         raise ConfigError(f"states must be [N, {cfg.chs_num_layers}, {cfg.hidden_size}] (the draft's selected "
                           f"layers), got {tuple(states.shape)}")
     rank, lm_head = cfg.sequential_rank, lm_head.detach().float()
+    if draft.sequential_head.draft_vocab is not None:  # the head's rows: the draft vocabulary's tokens
+        lm_head = lm_head[draft.sequential_head.draft_vocab]
     if {"head", "prev_embedding"} & set(parts) and rank > min(cfg.hidden_size, cfg.vocab_size):
         raise ConfigError(f"the head's rank r = {rank} exceeds the target's hidden size {cfg.hidden_size} (or "
                           "vocabulary): the LM head has no more directions to initialise it from; leave out the "

@@ -9,6 +9,7 @@ token if it has one, else its unknown token (never one the target emits to stop)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,24 @@ def require_new_dir(out: Path) -> None:
 
 
 def write_initial_draft(out: Path, spec: TargetSpec, mask_token_id: int, *, seed: int = 0,
-                        **shape: Any) -> DraftConfig:
+                        draft_vocab: Sequence[int] | None = None, **shape: Any) -> DraftConfig:
     """Write an initialised dlite_v1 draft for ``spec`` to ``out``; ``shape``: DraftConfig.for_target's
-    num_hidden_layers, chs_num_layers and config overrides (block_size, sequential_rank, ...)."""
-    from dlite_trt.tiny_models import write_random_draft
+    num_hidden_layers, chs_num_layers and config overrides (block_size, sequential_rank, ...).
+    ``draft_vocab``: the target ids of a reduced draft vocabulary (the mask token among them)."""
+    import torch
+
+    from dlite_trt.checkpoint import save_draft
+    from dlite_trt.model.draft import DLiteDraft
 
     require_new_dir(out)
-    cfg = DraftConfig.for_target(spec, mask_token_id=mask_token_id, **shape)
-    write_random_draft(out, cfg, seed=seed)
+    size = None if draft_vocab is None else len(draft_vocab)
+    cfg = DraftConfig.for_target(spec, mask_token_id=mask_token_id, draft_vocab_size=size, **shape)
+    torch.manual_seed(seed)
+    draft = DLiteDraft(cfg).eval()
+    if draft_vocab is not None:
+        try:
+            draft.sequential_head.set_draft_vocab(torch.tensor(list(draft_vocab), dtype=torch.long))
+        except ValueError as exc:
+            raise ConfigError(f"cannot use that draft vocabulary: {exc}") from exc
+    save_draft(draft, out)
     return cfg

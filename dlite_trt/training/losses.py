@@ -79,18 +79,26 @@ def target_matching_loss(draft_logits: torch.Tensor, target_ids: torch.Tensor, t
     The target's distribution comes as its top-k: ``target_ids`` / ``target_probs`` [N, K, k].
     TV is taken over those k tokens plus one bucket for all others (the rest of each
     distribution's mass): exact when k covers the target's support, a lower bound otherwise.
+
+    With a reduced draft vocabulary the logits have V_d columns and ids are the head's rows,
+    the sentinel V_d standing for a token outside it: the draft gives such a token probability
+    0 (its target mass still counts in TV), and CE skips such labels.
     """
+    columns = draft_logits.shape[-1]
     log_q = F.log_softmax(draft_logits.float(), dim=-1)  # [N, K, V]: the one vocabulary-sized pass
-    q_top = log_q.gather(-1, target_ids).exp()  # [N, K, k]
+    padded = F.pad(log_q, (0, 1), value=float("-inf"))  # [N, K, V + 1]: the sentinel's column, q = 0
+    q_top = padded.gather(-1, target_ids).exp()  # [N, K, k]
     p_top = target_probs.float()
     q_rest = (1.0 - q_top.sum(-1, keepdim=True)).clamp_min(0.0)
     p_rest = (1.0 - p_top.sum(-1, keepdim=True)).clamp_min(0.0)
     tv = tv_distance(torch.cat([q_top, q_rest], dim=-1), torch.cat([p_top, p_rest], dim=-1))
-    terms = {
-        "ce": _weighted_mean(-log_q.gather(-1, labels[..., None])[..., 0], valid, weights.gamma),
-        "tv": _weighted_mean(tv, valid, weights.gamma),
-        "base_ce": _weighted_mean(-log_q.gather(-1, data_labels[..., None])[..., 0], valid, weights.gamma),
-    }
+
+    def nll(ids: torch.Tensor) -> torch.Tensor:  # [N, K] -> weighted mean over labels the draft can name
+        named = ids < columns
+        per = -log_q.gather(-1, ids.clamp(max=columns - 1)[..., None])[..., 0]
+        return _weighted_mean(torch.where(named, per, 0.0), valid & named, weights.gamma)
+
+    terms = {"ce": nll(labels), "tv": _weighted_mean(tv, valid, weights.gamma), "base_ce": nll(data_labels)}
     terms["loss"] = weights.ce * terms["ce"] + weights.tv * terms["tv"] + weights.base_ce * terms["base_ce"]
     return terms
 

@@ -8,6 +8,7 @@ frozen target for hidden states and logits, and ``anchors`` blocks drawn per win
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -20,6 +21,7 @@ from dlite_trt.checkpoint import save_draft
 from dlite_trt.errors import CheckpointError, ConfigError
 from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.model.target import TargetAdapter
+from dlite_trt.training.corpus import CorpusMix, exact_depth
 from dlite_trt.training.data import TrainingSequence, window_starts, window_tokens
 from dlite_trt.training.examples import DraftExamples, TargetTopK, draft_examples, target_states
 from dlite_trt.training.losses import DEFAULT_WEIGHTS, LossWeights
@@ -30,8 +32,11 @@ from dlite_trt.training.trainer import TrainSettings, train
 
 TEACHER_WEIGHTS = "teacher.safetensors"
 TEACHER_CONFIG = "teacher.json"
-TrainingData = Sequence[TrainingSequence] | StateCache  # sequences, or sequences with their cached states
+# sequences, sequences with their cached states, or a corpus (the target runs over its text: exact labels)
+TrainingData = Sequence[TrainingSequence] | StateCache | CorpusMix
 ANCHOR_REGIONS = ("window", "answer")
+ANCHOR_WEIGHTS = ("uniform", "depth")
+LOG_EVERY = 10  # steps between progress lines when stderr is not a terminal
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,22 @@ class BatchSettings:
     anchors: int = 16  # blocks per window
     seed: int = 0
     anchor_region: str = "window"  # "window": anywhere in it; "answer": blocks that draft the target's answer
+    # corpus mode (a CorpusMix: the target runs over each window, no generated answers)
+    # labels count only up to the first disagreement of text and target (always so in corpus mode)
+    exact_labels: bool = False
+    anchor_weight: str = "uniform"  # corpus mode: "depth" draws anchors in proportion to their exact labels
+    min_context: int = 1  # corpus mode: the first anchor position in a window (the states' least context)
+    top_k: int = 256  # corpus mode: the target's distribution kept per position (TV over these + the rest)
 
     def __post_init__(self) -> None:
         if self.seq_len < 4 or self.batch_seqs < 1 or self.anchors < 1:
             raise ConfigError(f"invalid batch settings {self}: need seq_len >= 4, batch_seqs >= 1, anchors >= 1")
         if self.anchor_region not in ANCHOR_REGIONS:
             raise ConfigError(f"anchor_region must be one of {', '.join(ANCHOR_REGIONS)}, got {self.anchor_region!r}")
+        if self.anchor_weight not in ANCHOR_WEIGHTS:
+            raise ConfigError(f"anchor_weight must be one of {', '.join(ANCHOR_WEIGHTS)}, got {self.anchor_weight!r}")
+        if self.min_context < 1 or self.top_k < 1:
+            raise ConfigError(f"invalid batch settings {self}: need min_context >= 1, top_k >= 1")
 
 
 class BatchSource:
@@ -58,6 +73,7 @@ class BatchSource:
     def __init__(self, target: TargetAdapter, data: TrainingData, draft: DLiteDraft,
                  settings: BatchSettings, window: int = 0) -> None:
         self.target, self.settings, self.window = target, settings, window
+        self.corpus = data if isinstance(data, CorpusMix) else None
         self.cache = data if isinstance(data, StateCache) else None
         self.sequences = data.sequences if isinstance(data, StateCache) else data
         self.cfg = draft.cfg
@@ -66,6 +82,8 @@ class BatchSource:
     def __call__(self, step: int, rank: int, world: int) -> DraftExamples:
         s = self.settings
         g = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
+        if self.corpus is not None:
+            return self._corpus_batch(g, rank, world)
         rows = torch.randint(0, len(self.sequences), (s.batch_seqs,), generator=g).tolist()
         starts = window_starts(self.sequences, s.seq_len, rows, seed=s.seed * 7919 + step)
         if s.anchor_region == "window":
@@ -85,13 +103,44 @@ class BatchSource:
                                 torch.stack([p["top_probs"] for p in parts]))
         self.blocks_seen += anchors[mine].numel()
         return draft_examples(tokens, hidden, logits, anchors[mine], self.cfg.anchor_group_size,
-                              self.cfg.num_proposals, self.window, window_layers(self.cfg))
+                              self.cfg.num_proposals, self.window, window_layers(self.cfg), s.exact_labels)
+
+    def _corpus_batch(self, g: torch.Generator, rank: int, world: int) -> DraftExamples:
+        """Windows of the corpus, the target run over each (teacher forcing), anchors from
+        ``min_context`` on (weighted by their exact labels with anchor_weight "depth"); every
+        label past the text's first disagreement with the target is masked."""
+        s, k_props = self.settings, self.cfg.num_proposals
+        tokens = self.corpus.windows(s.batch_seqs, s.seq_len, g)  # [B, L]
+        mine = slice(rank * s.batch_seqs // world, (rank + 1) * s.batch_seqs // world)
+        tokens = tokens[mine]
+        hidden, logits = target_states(self.target, tokens)
+        top = TargetTopK.of_logits(logits, s.top_k)
+        del logits
+        lo, hi = s.min_context, s.seq_len - 1  # anchors in [lo, hi)
+        if hi - lo < s.anchors:
+            raise ConfigError(f"{s.anchors} anchors per window do not fit between min_context {lo} and position "
+                              f"{hi - 1} of a {s.seq_len}-token window; lower anchors or min_context")
+        weight = torch.ones(tokens.shape[0], hi - lo)
+        if s.anchor_weight == "depth":
+            weight = exact_depth(tokens, top.ids[..., 0], k_props)[:, lo:hi].float()
+        anchors = lo + torch.multinomial(weight, s.anchors, replacement=False, generator=g)  # [B, A]
+        self.blocks_seen += anchors.numel()
+        return draft_examples(tokens, hidden, top, anchors, self.cfg.anchor_group_size, k_props, self.window,
+                              window_layers(self.cfg), exact_only=True)
 
 
 def _logger(progress: bool, total: int, what: str) -> tuple[Callable[[int, dict], None], Callable[[], None]]:
     """A rich progress bar showing the loss, draft blocks/s and the time left; (log, close)."""
     if not progress:
         return (lambda step, terms: None), (lambda: None)
+    if not sys.stderr.isatty():  # a log file: a plain line every LOG_EVERY steps
+        def line(step: int, terms: dict) -> None:
+            if (step + 1) % LOG_EVERY == 0 or step + 1 == total:
+                shown = "  ".join(f"{k} {v:.4f}" for k, v in terms.items() if k not in ("blocks_per_s", "seconds"))
+                print(f"[{time.strftime('%H:%M:%S')}] {what} {step + 1}/{total}  {shown}  "
+                      f"{terms['blocks_per_s']:.0f} blocks/s", file=sys.stderr, flush=True)
+
+        return line, (lambda: None)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     bar = Progress(TextColumn(f"{what} {{task.completed}}/{{task.total}}"), BarColumn(),
@@ -161,6 +210,7 @@ class StudentPlan:
     stage2_steps: int
     lr: float = 3e-4
     snapshot_every: int = 0  # > 0: keep stage 2's weights every this many steps (a training-steps curve)
+    checkpoint_every: int = 100  # resumable state every this many steps
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -182,12 +232,13 @@ def train_student(target: TargetAdapter, data: TrainingData, student: DLiteDraft
         adopt_teacher_head(student, teacher)
         source = BatchSource(target, data, student, batches, teacher.window)
         _run(student.train(), lambda m, ex: stage1_loss(m, teacher, ex, embed, weights), source,
-             TrainSettings(steps=plan.stage1_steps, lr=plan.lr), runs / "stage1-run", "stage 1", progress)
+             TrainSettings(steps=plan.stage1_steps, lr=plan.lr, checkpoint_every=plan.checkpoint_every),
+             runs / "stage1-run", "stage 1", progress)
         release_head(student)  # the transition: everything trains again, now against the target
     source = BatchSource(target, data, student, batches)
     _run(student.train(), lambda m, ex: stage2_loss(m, ex, embed, weights), source,
-         TrainSettings(steps=plan.stage2_steps, lr=plan.lr, snapshot_every=plan.snapshot_every), runs / "stage2-run",
-         "stage 2", progress)
+         TrainSettings(steps=plan.stage2_steps, lr=plan.lr, snapshot_every=plan.snapshot_every,
+                       checkpoint_every=plan.checkpoint_every), runs / "stage2-run", "stage 2", progress)
     if _main_process():  # every replica holds the same weights; one writes them
         save_draft(student.eval(), out)
         (out / "training.json").write_text(json.dumps({"plan": plan.to_dict(), "batches": asdict(batches),

@@ -31,6 +31,7 @@ class Documented:
     header: str
     docstring: str
     name: str
+    code: str = ""  # the whole function's source (dedented)
 
 
 def documented_functions(path: Path) -> list[Documented]:
@@ -50,11 +51,13 @@ def documented_functions(path: Path) -> list[Documented]:
             continue
         header = "\n".join(lines[node.lineno - 1: node.body[0].lineno - 1]).strip()
         if header.startswith(("def ", "async def ")) and header.endswith(":"):
-            found.append(Documented(header, doc, node.name))
+            code = textwrap.dedent("\n".join(lines[node.lineno - 1: node.end_lineno]))
+            found.append(Documented(header, doc, node.name, code))
     return found
 
 
-def _instruction(fn: Documented, rng: random.Random) -> str:
+def instruction(fn: Documented, rng: random.Random) -> str:
+    """A chat-style request for ``fn``, built from its signature and its docstring's first paragraph."""
     summary = " ".join(fn.docstring.split("\n\n")[0].split())
     opener = rng.choice(("Write a Python function", "Implement a Python function", "Write the Python code for a "
                          "function", "Please write a Python function"))
@@ -81,7 +84,7 @@ def coding_prompts(files: Sequence[Path], tokenizer: Any, *, counts: dict[str, i
         text = f"{fn.header}\n{body}\n"
         out.append(("docstring", tokenizer.encode(text, add_special_tokens=False)[-max_prompt_tokens:]))
     for fn in pick_chat:
-        messages = [{"role": "user", "content": _instruction(fn, rng)}]
+        messages = [{"role": "user", "content": instruction(fn, rng)}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         out.append(("chat", list(ids)[-max_prompt_tokens:]))
     rng.shuffle(out)

@@ -20,7 +20,7 @@ from dlite_trt.training.losses import (
     state_regression,
     target_matching_loss,
 )
-from dlite_trt.training.teacher import HistoryAwareTeacher, student_forward, student_logits
+from dlite_trt.training.teacher import HistoryAwareTeacher, in_head_rows, student_forward, student_logits
 
 
 def adopt_teacher_head(student: DLiteDraft, teacher: HistoryAwareTeacher) -> None:
@@ -37,8 +37,9 @@ def release_head(student: DLiteDraft) -> None:
 def teacher_loss(teacher: HistoryAwareTeacher, ex: DraftExamples, embed_weight: torch.Tensor,
                  weights: LossWeights = DEFAULT_WEIGHTS) -> dict[str, torch.Tensor]:
     out = teacher(ex, embed_weight)
-    return target_matching_loss(out.logits, ex.target_ids, ex.target_probs, ex.labels, ex.teacher_tokens, ex.valid,
-                                weights)
+    rows = in_head_rows(teacher.draft, ex)
+    return target_matching_loss(out.logits, rows.target_ids, ex.target_probs, rows.labels, rows.teacher_tokens,
+                                ex.valid, weights)
 
 
 def stage1_loss(student: DLiteDraft, teacher: HistoryAwareTeacher, ex: DraftExamples,
@@ -52,8 +53,9 @@ def stage1_loss(student: DLiteDraft, teacher: HistoryAwareTeacher, ex: DraftExam
 def stage2_loss(student: DLiteDraft, ex: DraftExamples, embed_weight: torch.Tensor,
                 weights: LossWeights = DEFAULT_WEIGHTS) -> dict[str, torch.Tensor]:
     hidden, out = student_forward(student, ex, embed_weight)
-    terms = target_matching_loss(out.logits, ex.target_ids, ex.target_probs, ex.labels, ex.teacher_tokens, ex.valid,
-                                 weights)
+    rows = in_head_rows(student, ex)
+    terms = target_matching_loss(out.logits, rows.target_ids, ex.target_probs, rows.labels, rows.teacher_tokens,
+                                 ex.valid, weights)
     if weights.state:
         terms["state"] = state_regression(hidden, ex.target_final, ex.valid, weights.gamma)
         terms["loss"] = terms["loss"] + weights.state * terms["state"]

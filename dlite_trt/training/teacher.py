@@ -48,11 +48,30 @@ class HistoryAwareTeacher(nn.Module):
         return ExtraContext(slots, pivot_pos[:, None] - back[None, :], ex.window_valid)
 
     def forward(self, ex: DraftExamples, embed_weight: torch.Tensor) -> HeadOutput:
-        """Teacher-forced block logits [N, K, V] for a batch of examples."""
+        """Teacher-forced block logits [N, K, V] (V_d: over the head's rows) for a batch of examples."""
         hidden = self.draft.backbone(ex.chs, ex.group, ex.group_len, embed_weight, self.window_context(ex))
-        seed = ex.group[:, -2] if self.cfg.anchor_group_size > 1 else None
-        return recurrence(self.draft.sequential_head.weights(), hidden, ex.group[:, -1], seed,
-                          teacher_tokens=ex.teacher_tokens)
+        return teacher_forced_head(self.draft, hidden, ex)
+
+
+def teacher_forced_head(draft: DLiteDraft, hidden: torch.Tensor, ex: DraftExamples) -> HeadOutput:
+    """The head over draft_hidden [N, K, H], fed the sequence's own tokens: logits [N, K, V] over
+    the head's rows (V_d of them with a reduced draft vocabulary: its inputs are mapped to rows,
+    a token outside read as the mask token; tokens returned are rows)."""
+    head = draft.sequential_head
+    seed = head.to_draft(ex.group[:, -2]) if draft.cfg.anchor_group_size > 1 else None
+    return recurrence(head.weights(), hidden, head.to_draft(ex.group[:, -1]), seed,
+                      teacher_tokens=head.to_draft(ex.teacher_tokens))
+
+
+def in_head_rows(draft: DLiteDraft, ex: DraftExamples) -> DraftExamples:
+    """The examples' target-side ids (the target's top-k, labels, the sequence's tokens) as the
+    head's rows, for the losses: with a reduced draft vocabulary a token outside it becomes the
+    sentinel V_d (probability 0 for the draft); without one, unchanged."""
+    table = draft.sequential_head.target_to_draft  # [V] or None
+    if table is None:
+        return ex
+    return ex._replace(target_ids=table[ex.target_ids], labels=table[ex.labels],
+                       teacher_tokens=table[ex.teacher_tokens])
 
 
 def student_forward(student: DLiteDraft, ex: DraftExamples,
@@ -60,9 +79,7 @@ def student_forward(student: DLiteDraft, ex: DraftExamples,
     """The student's draft_hidden [N, K, H] and teacher-forced block logits (no window: what it
     will see at inference)."""
     hidden = student.backbone(ex.chs, ex.group, ex.group_len, embed_weight)
-    seed = ex.group[:, -2] if student.cfg.anchor_group_size > 1 else None
-    return hidden, recurrence(student.sequential_head.weights(), hidden, ex.group[:, -1], seed,
-                              teacher_tokens=ex.teacher_tokens)
+    return hidden, teacher_forced_head(student, hidden, ex)
 
 
 def student_logits(student: DLiteDraft, ex: DraftExamples, embed_weight: torch.Tensor) -> HeadOutput:

@@ -45,6 +45,7 @@ def register() -> None:
                  state_hidden_mlp_weight: trtp.TensorDesc, state_hidden_mlp_bias: trtp.TensorDesc,
                  output_proj_weight: trtp.TensorDesc, num_steps: int, seeded: int, sampling: int,
                  rank: int) -> output_descs:
+        # vocab: the head's rows (the target's V, or V_d with a draft vocabulary), never the target's V as such
         batch, vocab = draft_hidden.shape_expr[0], prev_token_embedding.shape_expr[0]
         return (trtp.from_shape_expr((batch, num_steps), dtype=trt.int64),
                 trtp.from_shape_expr((batch, num_steps, vocab), dtype=trt.float32),
