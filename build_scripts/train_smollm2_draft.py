@@ -314,7 +314,7 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int) -> None:
     lap("init")
 
     batches = BatchSettings(seq_len=b["seq_len"], batch_seqs=b["batch_seqs"], anchors=b["anchors"], seed=seed,
-                            exact_labels=True, anchor_weight="depth", min_context=b["min_context"], top_k=TOP_K)
+                            anchor_weight="depth", min_context=b["min_context"], top_k=TOP_K)
     student_dir = work / "student"
     if not (student_dir / "model.safetensors").is_file():
         say(f"training: {b['steps']} steps of {b['batch_seqs']} windows x {b['anchors']} blocks")

@@ -96,10 +96,14 @@ def write_random_target(out: Path, spec: TargetSpec, *, seed: int = 0, initializ
     return model
 
 
-def write_random_draft(out: Path, cfg: DraftConfig, *, seed: int = 0, max_shard_bytes: int | None = None) -> DLiteDraft:
-    """A dlite_v1 draft checkpoint with seeded random weights (a DLiteDraft's default init)."""
+def write_random_draft(out: Path, cfg: DraftConfig, *, seed: int = 0, max_shard_bytes: int | None = None,
+                       draft_vocab: torch.Tensor | None = None) -> DLiteDraft:
+    """A dlite_v1 draft checkpoint with seeded random weights (a DLiteDraft's default init); with
+    ``draft_vocab`` [V_d] int64 (cfg.draft_vocab_size target ids) as its reduced draft vocabulary."""
     torch.manual_seed(seed)
     draft = DLiteDraft(cfg).eval()
+    if draft_vocab is not None:
+        draft.sequential_head.set_draft_vocab(draft_vocab)
     save_draft(draft, out, max_shard_bytes=max_shard_bytes)
     return draft
 

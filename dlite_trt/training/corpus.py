@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,7 @@ class Corpus:
             total, vocab = int(self.meta["tokens"]), int(self.meta["vocab_size"])
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{directory} holds no readable corpus ({META}: {exc!r}); build it with "
-                              "`dlite-trt train corpus`.") from exc
+                              "`dlite-trt train data --corpus`.") from exc
         if vocab != vocab_size:
             raise ConfigError(f"{directory} was tokenized for a {vocab}-token vocabulary, the target has "
                               f"{vocab_size}; build the corpus with this target's tokenizer.")
@@ -170,8 +171,6 @@ def chat_documents(files: Sequence[Path], root: Path, tokenizer: Any, *, label: 
                    max_code_chars: int = 4_000) -> Iterable[Document]:
     """Every documented function of the files as a chat turn: the request built from its
     signature and docstring (``prompts.instruction``), its real code as the answer."""
-    import random
-
     from dlite_trt.training.prompts import documented_functions, instruction
 
     rng = random.Random(seed)

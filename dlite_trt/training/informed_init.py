@@ -87,7 +87,7 @@ def informed_init(draft: DLiteDraft, lm_head: torch.Tensor, final_norm: torch.Te
     rank, lm_head = cfg.sequential_rank, lm_head.detach().float()
     if draft.sequential_head.draft_vocab is not None:  # the head's rows: the draft vocabulary's tokens
         lm_head = lm_head[draft.sequential_head.draft_vocab]
-    if {"head", "prev_embedding"} & set(parts) and rank > min(cfg.hidden_size, cfg.vocab_size):
+    if {"head", "prev_embedding"} & set(parts) and rank > min(cfg.hidden_size, cfg.head_vocab_size):
         raise ConfigError(f"the head's rank r = {rank} exceeds the target's hidden size {cfg.hidden_size} (or "
                           "vocabulary): the LM head has no more directions to initialise it from; leave out the "
                           "'head' and 'prev_embedding' parts, or use r <= H")

@@ -52,18 +52,14 @@ def write_initial_draft(out: Path, spec: TargetSpec, mask_token_id: int, *, seed
     ``draft_vocab``: the target ids of a reduced draft vocabulary (the mask token among them)."""
     import torch
 
-    from dlite_trt.checkpoint import save_draft
-    from dlite_trt.model.draft import DLiteDraft
+    from dlite_trt.tiny_models import write_random_draft
 
     require_new_dir(out)
     size = None if draft_vocab is None else len(draft_vocab)
     cfg = DraftConfig.for_target(spec, mask_token_id=mask_token_id, draft_vocab_size=size, **shape)
-    torch.manual_seed(seed)
-    draft = DLiteDraft(cfg).eval()
-    if draft_vocab is not None:
-        try:
-            draft.sequential_head.set_draft_vocab(torch.tensor(list(draft_vocab), dtype=torch.long))
-        except ValueError as exc:
-            raise ConfigError(f"cannot use that draft vocabulary: {exc}") from exc
-    save_draft(draft, out)
+    ids = None if draft_vocab is None else torch.tensor(list(draft_vocab), dtype=torch.long)
+    try:
+        write_random_draft(out, cfg, seed=seed, draft_vocab=ids)
+    except ValueError as exc:  # set_draft_vocab: the ids do not make a draft vocabulary
+        raise ConfigError(f"cannot use that draft vocabulary: {exc}") from exc
     return cfg

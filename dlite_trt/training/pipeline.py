@@ -46,9 +46,8 @@ class BatchSettings:
     anchors: int = 16  # blocks per window
     seed: int = 0
     anchor_region: str = "window"  # "window": anywhere in it; "answer": blocks that draft the target's answer
-    # corpus mode (a CorpusMix: the target runs over each window, no generated answers)
-    # labels count only up to the first disagreement of text and target (always so in corpus mode)
-    exact_labels: bool = False
+    # corpus mode (a CorpusMix: the target runs over each window, no generated answers; labels count
+    # only up to the first disagreement of text and target)
     anchor_weight: str = "uniform"  # corpus mode: "depth" draws anchors in proportion to their exact labels
     min_context: int = 1  # corpus mode: the first anchor position in a window (the states' least context)
     top_k: int = 256  # corpus mode: the target's distribution kept per position (TV over these + the rest)
@@ -103,7 +102,7 @@ class BatchSource:
                                 torch.stack([p["top_probs"] for p in parts]))
         self.blocks_seen += anchors[mine].numel()
         return draft_examples(tokens, hidden, logits, anchors[mine], self.cfg.anchor_group_size,
-                              self.cfg.num_proposals, self.window, window_layers(self.cfg), s.exact_labels)
+                              self.cfg.num_proposals, self.window, window_layers(self.cfg))
 
     def _corpus_batch(self, g: torch.Generator, rank: int, world: int) -> DraftExamples:
         """Windows of the corpus, the target run over each (teacher forcing), anchors from
