@@ -42,6 +42,21 @@ def tiny_oracle():
     return partial(hf_greedy, hf), AutoTokenizer.from_pretrained(target)
 
 
+@pytest.fixture(scope="session")
+def serve_engine(tmp_path_factory) -> Path:
+    """The bundled tiny pair's engine the OpenAI server tests serve (max_batch 4, max_seq_len 1024)."""
+    from helpers import SERVE_MAX_BATCH, SERVE_MAX_SEQ_LEN
+
+    from dlite_trt.bundled import bundled_pair
+    from dlite_trt.engine.build import BuildSettings, build_engine
+    from dlite_trt.export.contract import EngineLimits
+
+    out = tmp_path_factory.mktemp("serve") / "engine"
+    build_engine(*bundled_pair(), out, BuildSettings(limits=EngineLimits(
+        max_batch=SERVE_MAX_BATCH, max_seq_len=SERVE_MAX_SEQ_LEN, max_chunk=64)), progress=False)
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def dlite_cache(tmp_path_factory) -> Path:
     """The whole run caches GGUF conversions under one tmp dir (never ~/.cache): each file is

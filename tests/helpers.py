@@ -22,6 +22,8 @@ from dlite_trt.tiny_models import random_target, tiny_target_spec
 # Targets of each non-Qwen3 architecture, with what sets it apart switched on: Llama 3.x RoPE
 # scaling (an original context of 32 positions, so prompts and generations cross it) and an untied
 # head; a tied-embedding Llama; Qwen2's q/k/v biases (drawn, transformers initialises them to 0).
+SERVE_MAX_BATCH, SERVE_MAX_SEQ_LEN = 4, 1024  # conftest.serve_engine: the OpenAI server tests' engine
+
 ARCH_TARGETS = {
     "llama3-rope": dict(architecture="llama", rope_scaling=RopeScaling(
         "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)),

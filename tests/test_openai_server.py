@@ -19,11 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
+from helpers import SERVE_MAX_SEQ_LEN as MAX_SEQ_LEN
 from helpers import cut_at_stop_string, stop_inside_a_step, stop_string_inside_a_step
 
-from dlite_trt.bundled import bundled_pair
-from dlite_trt.engine.build import BuildSettings, build_engine
-from dlite_trt.export.contract import EngineLimits
 from dlite_trt.serve.openai_process import OpenAIServerProcess
 from dlite_trt.serve.scheduler import FAULT_PROMPT_ENV
 from dlite_trt.serve.server import group_members, port_free
@@ -32,7 +30,6 @@ from dlite_trt.tiny_models import stdlib_files
 openai = pytest.importorskip("openai", reason="the tests drive the server with the real openai client")
 hypothesis = pytest.importorskip("hypothesis")
 
-MAX_SEQ_LEN, MAX_BATCH = 1024, 4
 FAULT_PROMPT = [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 3]  # the test-only fault hook fails this prompt (and no other)
 MODEL = "tiny"
 
@@ -50,11 +47,8 @@ def _calls(metrics: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    out = tmp_path_factory.mktemp("openai") / "engine"
-    build_engine(*bundled_pair(), out, BuildSettings(limits=EngineLimits(max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN,
-                                                                    max_chunk=64)), progress=False)
-    return out
+def engine(serve_engine):
+    return serve_engine
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from dlite_trt.cli.serve_options import ENGINE, INSTANCES, MAX_BATCH, THREADS
 
 TRITON_ONLY = ("grpc_port", "metrics_port", "instances", "max_batch", "repo")
 OPENAI_ONLY = ("served_model_name", "speculative", "verify_drafts", "kv_cache_gb", "prefix_cache", "max_queue",
-               "default_temperature")
+               "default_temperature", "max_body_mb", "max_prompt_chars", "max_stops", "max_stop_chars",
+               "shutdown_timeout")
 
 
 @click.command("serve")
@@ -42,6 +43,17 @@ OPENAI_ONLY = ("served_model_name", "speculative", "verify_drafts", "kv_cache_gb
               help="Requests waiting to join the batch before new ones get 503. (openai)")
 @click.option("--default-temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
               help="Temperature of requests that give none (0: greedy, the target's own output). (openai)")
+@click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
+              help="Largest request body (MiB); a larger one gets 413 before it is read. (openai)")
+@click.option("--max-prompt-chars", type=click.IntRange(min=1),
+              help="Longest prompt text (all messages' text), refused before it is tokenized [default: "
+                   "--max-seq-len x the longest token's characters, the most that can ever fit]. (openai)")
+@click.option("--max-stops", default=16, show_default=True, type=click.IntRange(min=0),
+              help="Most stop strings a request may give. (openai)")
+@click.option("--max-stop-chars", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Longest stop string (characters). (openai)")
+@click.option("--shutdown-timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="Seconds requests in flight get to finish after Ctrl-C; meanwhile new ones get 503. (openai)")
 @click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535),
               help="Port of the gRPC endpoint. (triton)")
 @click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535),
@@ -90,7 +102,8 @@ def _serve_openai(engine: Path, host: str, port: int, threads: int | None, optio
     import uvicorn
 
     from dlite_trt.engine.load import load_engine
-    from dlite_trt.serve.openai_server import OpenAIFrontend, create_app
+    from dlite_trt.serve.limits import MIB, ServerLimits
+    from dlite_trt.serve.openai_server import DrainingServer, OpenAIFrontend, create_app
     from dlite_trt.serve.scheduler import Scheduler
 
     loaded = load_engine(engine, threads=threads, preload=("prefill", "step", "decode"),
@@ -99,8 +112,13 @@ def _serve_openai(engine: Path, host: str, port: int, threads: int | None, optio
     scheduler = Scheduler(loaded.generator, speculative=options["speculative"],
                           kv_budget_bytes=int(options["kv_cache_gb"] * 2**30),
                           prefix_cache=options["prefix_cache"], max_queue=options["max_queue"])
-    app = create_app(OpenAIFrontend(loaded, scheduler, name, options["default_temperature"]))
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
+    limits = ServerLimits(max_body_bytes=int(options["max_body_mb"] * MIB), max_prompt_chars=options["max_prompt_chars"],
+                          max_stops=options["max_stops"], max_stop_chars=options["max_stop_chars"],
+                          shutdown_timeout=options["shutdown_timeout"])
+    frontend = OpenAIFrontend(loaded, scheduler, name, options["default_temperature"], limits)
+    # after the drain (DrainingServer), what is still running gets a second to end
+    server = DrainingServer(uvicorn.Config(create_app(frontend), host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1), frontend)
     click.echo(f"serving {engine} as {name!r} (speculative: {options['speculative']}) at http://{host}:{port}/v1\n"
                f"  curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
                f"-d '{{\"model\": \"{name}\", \"prompt\": \"def main():\", \"max_tokens\": 32}}'\n"

@@ -202,6 +202,7 @@ class ReplyText:
 
     def __init__(self, decode: Any, stops: Sequence[str]) -> None:
         self.decode, self.stops = decode, tuple(stops)
+        self.borders = [_borders(s) for s in self.stops]
         self.reply = Reply([], "")
         self.done = False  # a stop string completed: the reply ends here
 
@@ -212,10 +213,18 @@ class ReplyText:
         reply.output_ids += [int(t) for t in new_ids]
         full = self.decode(reply.output_ids)
         if any(s in full for s in self.stops):  # a stop string completed in this call: end here
-            reply.output_ids, text = cut_at_stop(self.decode, reply.output_ids, self.stops)
+            reply.output_ids, text = cut_at_stop(self.decode, reply.output_ids, self.stops, start=sent)
             self.done = True
             return _advance(reply, text), reply.output_ids[sent:], reply
-        return _advance(reply, _settled(full, self.stops)), reply.output_ids[sent:], reply
+        return _advance(reply, self._settled(full)), reply.output_ids[sent:], reply
+
+    def _settled(self, text: str) -> str:
+        """The part of ``text`` that later tokens cannot change or cut: without a trailing split
+        character and without a tail that could begin a stop string (found in time linear in the
+        tail it scans: at most each stop's length)."""
+        text = text.rstrip("\ufffd")
+        hold = max((_overlap(text, s, b) for s, b in zip(self.stops, self.borders, strict=True)), default=0)
+        return text[: len(text) - hold]
 
     def take(self, tokens: Sequence[int], step: tuple[int, int, int] | None, ended: bool) -> list[tuple[str, list[int]]]:
         """What one engine call's update (``serve.scheduler.Update``: its tokens, its step, whether the
@@ -236,12 +245,13 @@ class ReplyText:
         return None if final == self.reply.text else (_advance(self.reply, final), [], self.reply)
 
 
-def cut_at_stop(decode: Any, ids: list[int], stops: Sequence[str]) -> tuple[list[int], str]:
-    """Where a stop string first completes: the fewest tokens that complete it, the text before it."""
+def cut_at_stop(decode: Any, ids: list[int], stops: Sequence[str], start: int = 0) -> tuple[list[int], str]:
+    """Where a stop string first completes: the fewest tokens that complete it, the text before it.
+    ``start``: tokens known not to complete one (those of earlier calls), so the search begins after them."""
     text = decode(ids)
     if not any(s in text for s in stops):
         return ids, text
-    for k in range(1, len(ids) + 1):
+    for k in [*range(start + 1, len(ids) + 1), *range(1, start + 1)]:
         prefix = decode(ids[:k])
         starts = [prefix.find(s) for s in stops if s in prefix]
         if starts:
@@ -249,12 +259,28 @@ def cut_at_stop(decode: Any, ids: list[int], stops: Sequence[str]) -> tuple[list
     raise AssertionError("unreachable: the whole text contains a stop string")
 
 
-def _settled(text: str, stops: Sequence[str]) -> str:
-    """The part of ``text`` that later tokens cannot change or cut: without a trailing split
-    character and without a tail that could begin a stop string."""
-    text = text.rstrip("\ufffd")
-    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return text[: len(text) - hold]
+def _borders(s: str) -> list[int]:
+    """Knuth-Morris-Pratt's table: for each prefix of ``s``, its longest proper prefix that is also its suffix."""
+    table, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        k += s[i] == s[k]
+        table[i] = k
+    return table
+
+
+def _overlap(text: str, stop: str, borders: list[int]) -> int:
+    """The longest k < len(stop) such that ``text`` ends with stop[:k], scanning the last len(stop) - 1
+    characters once."""
+    k = 0
+    for ch in text[max(len(text) - len(stop) + 1, 0):] if len(stop) > 1 else "":
+        while k and stop[k] != ch:
+            k = borders[k - 1]
+        k += stop[k] == ch
+        if k == len(stop):
+            k = borders[k - 1]
+    return k
 
 
 def _attempt(run: Any, *args: Any) -> Any:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -62,6 +64,20 @@ class OpenAIServerProcess:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
+
+    def abandon(self, path: str, body: dict, count: int, after_s: float) -> None:
+        """``count`` requests sent at once, each on its own connection, whose clients hang up after
+        ``after_s`` seconds without reading anything."""
+        data = json.dumps(body).encode()
+        conns = []
+        for _ in range(count):
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+            conn.request("POST", path, data, {"Content-Type": "application/json"})
+            conns.append(conn)
+        time.sleep(after_s)
+        for conn in conns:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics: 'name{labels}' -> value."""

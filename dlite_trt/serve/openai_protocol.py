@@ -1,7 +1,9 @@
 """The OpenAI API's request bodies and error shape, as this server takes them, declared once.
 
-Requests are validated by these models: a field of the wrong type, an out-of-range value or a
-field OpenAI's API does not have is a 400 in OpenAI's error shape naming the field. Fields
+Requests are validated by these models, strictly as OpenAI's API takes them: a field of the wrong
+type (no string-to-number or number-to-bool coercion), an out-of-range value, text that is not
+valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can carry and no tokenizer takes)
+or a field OpenAI's API does not have is a 400 in OpenAI's error shape naming the field. Fields
 OpenAI has but this server does not implement are taken at their no-op values (``n`` = 1,
 penalties 0, ``top_p`` 1, no logprobs, no tools) and refused otherwise, with what to do instead.
 
@@ -17,32 +19,46 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from dlite_trt.errors import DLiteError
 
-NonNegative = Annotated[int, Field(ge=0, strict=True)]
+
+def _unicode(value: str) -> str:
+    """Text that can be encoded as UTF-8: JSON's escapes can make a lone surrogate, which cannot."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start]
+        raise ValueError(f"not valid Unicode text: a lone surrogate (\\u{ord(bad):04x}) at character {exc.start}; "
+                         "send valid UTF-8 text") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # every field whose text is tokenized or matched
+NonNegative = Annotated[int, Field(ge=0)]
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     max_tokens: NonNegative | None = None
     temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: Annotated[int, Field(strict=True, ge=-(2**63), lt=2**64)] | None = None
-    stop: str | list[str] | None = Field(None, validate_default=True)  # -> list[str]
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    stop: Text | list[Text] | None = Field(None, validate_default=True)  # -> list[str]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(strict=True, ge=1)] = 1
+    n: Annotated[int, Field(ge=1)] = 1
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -52,7 +68,7 @@ class _Sampling(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] = []
+    stop_token_ids: list[NonNegative] = []
     return_token_ids: bool = False
 
     @field_validator("stop")
@@ -82,11 +98,11 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[Annotated[int, Field(strict=True)]] | list[str]
+    prompt: Text | list[int] | list[Text]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
-    best_of: Annotated[int, Field(strict=True, ge=1)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -104,16 +120,16 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
     tool_call_id: str | None = None
     # what clients echo back in an assistant message: taken when empty (null, []), refused otherwise
     refusal: str | None = None
@@ -172,6 +188,19 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error this server answers (4xx and 5xx) has this shape, OpenAI's."""
+
+    error: ErrorDetail
+
+
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape."""
@@ -192,18 +221,45 @@ class ApiError(DLiteError):
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """A pydantic/FastAPI validation error list as one message naming the fields, and the first field."""
-    parts, first = [], None
+    """A pydantic/FastAPI validation error list as one message naming the fields, and the first field.
+    A field that may take several types (``prompt``: text, ids or a list of texts) gets the errors of
+    the type its value had (the value's own fault) or, when it had none of them, one line listing them."""
+    groups: dict[tuple, list[tuple[str | None, dict[str, Any]]]] = {}  # by the loc before a union's branch
+    parts = []
     for err in errors:
         if err.get("type") == "json_invalid":  # its loc is ("body", character offset)
             parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', err.get('msg'))})")
             continue
-        field = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
-        first = first or field
-        if err.get("type") == "extra_forbidden":
-            parts.append(f"{field}: unknown field (not an OpenAI API parameter this endpoint takes)")
-        elif err.get("type") == "missing":
-            parts.append(f"{field}: required")
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        branch = next((i for i, x in enumerate(loc) if _union_branch(x)), len(loc))
+        field = ".".join(str(x) for x in loc if not _union_branch(x)) or None
+        groups.setdefault(tuple(loc[:branch]), []).append((field, err))
+    first = None
+    for errs in groups.values():
+        own = [(f, e) for f, e in errs if not e.get("type", "").endswith("_type")]  # the value's own fault
+        deepest = max(len(f or "") for f, _ in errs)
+        own = own or [(f, e) for f, e in errs if len(f or "") == deepest]  # the branch whose shape it had
+        if len(own) > 1 and len({f for f, _ in own}) == 1:  # none of the field's types
+            field = own[0][0]
+            parts.append(f"{field}: " + " or ".join(dict.fromkeys(e.get("msg", "") for _, e in own))
+                         .replace(" or Input should be", " or"))
         else:
-            parts.append(f"{field}: {err.get('msg')}" if field else str(err.get("msg")))
+            parts += [_message(f, e) for f, e in own]
+        first = first or own[0][0]
     return "; ".join(parts) or "invalid request", first
+
+
+def _union_branch(part: Any) -> bool:
+    """Whether a pydantic error location part names a union's branch (``str``, ``list[int]``,
+    ``function-after[...]``, a model's class name) rather than a field or an index."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part[:1].isupper()
+                                      or part in {"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _message(field: str | None, err: dict[str, Any]) -> str:
+    if err.get("type") == "extra_forbidden":
+        return f"{field}: unknown field (not an OpenAI API parameter this endpoint takes)"
+    if err.get("type") == "missing":
+        return f"{field}: required"
+    msg = str(err.get("msg")).removeprefix("Value error, ")
+    return f"{field}: {msg}" if field else msg

@@ -4,8 +4,14 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 target tokenizer's chat template), ``GET /health``, ``GET /metrics`` (Prometheus). Each request
 becomes a row of the scheduler's running batch; its updates (one per engine call) come back
 through an asyncio queue. Text is cut at the first stop string (``ReplyText``: streamed pieces
-always add up to the final text); a stop string or a client that went away cancels the row,
-which leaves the batch at the next step.
+always add up to the final text); a stop string or a client that went away (streamed or not,
+running or still queued) cancels the row, which leaves the batch at the next step.
+
+Hostile input (``serve.limits``): a body over --max-body-mb is a 413 before it is read; text,
+ids, types and stop strings are checked before anything expensive; the chat template and the
+tokenizer run off the event loop, so /health and other clients are served meanwhile. Every
+error, including a body that is not JSON, is in OpenAI's shape. The first Ctrl-C drains: new
+requests get 503 (with Retry-After) while those in flight finish, then the listener closes.
 """
 
 from __future__ import annotations
@@ -18,37 +24,84 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from dlite_trt.errors import DLiteError
 from dlite_trt.runtime.session import SamplingParams
 from dlite_trt.serve.generation import Reply, ReplyText
+from dlite_trt.serve.limits import BodySizeLimit, ServerLimits, longest_token_chars
 from dlite_trt.serve.metrics import CONTENT_TYPE
 from dlite_trt.serve.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     error_body,
     validation_message,
 )
 from dlite_trt.serve.scheduler import QueueFull, Scheduler
 
 FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length"}
-DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+RETRY_AFTER_S = 1  # what a 503 tells clients to wait
+
+
+class ErrorJSON(JSONResponse):
+    """Errors echo what the client sent (a field's name, a model's name), which JSON may have made
+    unencodable (a lone surrogate): escaped to ASCII, they always encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True).encode()
 
 
 class OpenAIFrontend:
     """The app's state: the scheduler, the tokenizer and the model's name."""
 
-    def __init__(self, loaded: Any, scheduler: Scheduler, model_name: str, default_temperature: float = 0.0) -> None:
+    def __init__(self, loaded: Any, scheduler: Scheduler, model_name: str, default_temperature: float = 0.0,
+                 limits: ServerLimits | None = None) -> None:
         self.scheduler, self.tokenizer, self.model_name = scheduler, loaded.tokenizer, model_name
         self.engine_stops = tuple(loaded.stop_token_ids)
         self.default_temperature = default_temperature
         self.max_seq_len = scheduler.limits.max_seq_len
         self.vocab_size = scheduler.spec.vocab_size
+        self.limits = limits or ServerLimits()
+        self.max_prompt_chars = self.limits.max_prompt_chars or (
+            None if self.tokenizer is None else self.max_seq_len * longest_token_chars(self.tokenizer))
         self.created = int(time.time())
+        self.in_flight = 0  # requests being answered (streams until their last event)
+        self.draining = False  # Ctrl-C: new requests get 503 while those in flight finish
+
+    # -- cheap checks, before anything that grows with the request ------------------------------
+    def screen(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """The request's options, its model, its stop strings and its text's length (not yet tokenized)."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another server.", code="server_shutting_down")
+        for param, message in body.unsupported():
+            raise ApiError(400, message, param=param)
+        if body.model != self.model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r} "
+                                "(GET /v1/models).", param="model", code="model_not_found")
+        limits = self.limits
+        if len(body.stop) > limits.max_stops:
+            raise ApiError(400, f"{len(body.stop)} stop strings; this server takes at most {limits.max_stops} "
+                                "(dlite-trt serve --max-stops).", param="stop")
+        longest = max(map(len, body.stop), default=0)
+        if longest > limits.max_stop_chars:
+            raise ApiError(400, f"a stop string of {longest:,} characters; this server takes at most "
+                                f"{limits.max_stop_chars:,} (dlite-trt serve --max-stop-chars).", param="stop")
+        chat = isinstance(body, ChatCompletionRequest)
+        chars = sum(len(m.text()) for m in body.messages) if chat else \
+            sum(len(p) for p in ([body.prompt] if isinstance(body.prompt, str) else body.prompt) if isinstance(p, str))
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise ApiError(400, f"the prompt is {chars:,} characters, more than the engine can ever take "
+                                f"({self.max_prompt_chars:,}: --max-seq-len {self.max_seq_len} tokens, or dlite-trt "
+                                "serve --max-prompt-chars); shorten it.", param="messages" if chat else "prompt")
+        if not chat and isinstance(body.prompt, list) and len(body.prompt) > self.max_seq_len:
+            raise ApiError(400, f"the prompt is {len(body.prompt)} tokens, and the engine allows {self.max_seq_len} "
+                                "(--max-seq-len) with the output; shorten it.", param="prompt")
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -85,13 +138,8 @@ class OpenAIFrontend:
         return ids
 
     def params(self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int]) -> SamplingParams:
-        for param, message in body.unsupported():
-            raise ApiError(400, message, param=param)
-        if body.model != self.model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r} "
-                                "(GET /v1/models).", param="model", code="model_not_found")
         limit = body.token_limit if isinstance(body, ChatCompletionRequest) else body.max_tokens
-        if len(prompt) >= self.max_seq_len and limit is None:
+        if len(prompt) >= self.max_seq_len and limit != 0:  # no room for a single output token
             raise ApiError(400, f"the prompt is {len(prompt)} tokens, and the engine allows {self.max_seq_len} "
                                 "(--max-seq-len) with the output; shorten it.", param="messages"
                            if isinstance(body, ChatCompletionRequest) else "prompt")
@@ -140,58 +188,101 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
 
     app = FastAPI(title="dlite-trt", summary="OpenAI-compatible DLite speculative decoding server",
                   lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=frontend.limits.max_body_bytes)
+
+    def error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+        # the openai client retries 5xx twice by default: an engine failure would run three times
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else \
+            {"x-should-retry": "false"} if status >= 500 else None
+        return ErrorJSON(error_body(message, param=param, code=code,
+                                    kind="invalid_request_error" if status < 500 else "server_error"),
+                         status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        return JSONResponse(error_body(message, param=param), status_code=400)
+        return error(400, message, param=param)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        # the openai client retries 5xx twice by default: an engine failure would run three times
-        headers = {"x-should-retry": "false"} if exc.status == 500 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return error(exc.status, str(exc), param=exc.param, code=exc.code)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """What Starlette and FastAPI raise themselves: no route, a method not allowed, and a body
+        that could not be parsed at all (not UTF-8, numbers past Python's digit limit, nesting past
+        its recursion limit), whose cause is what the client needs to know."""
+        if exc.status_code == 404:
+            return error(404, f"no route {request.method} {request.url.path}; see GET /v1/models, POST "
+                              "/v1/completions, POST /v1/chat/completions.", code="not_found")
+        if exc.status_code == 405:
+            return error(405, f"{request.method} is not allowed on {request.url.path}.", code="method_not_allowed")
+        cause = exc.__cause__
+        message = str(exc.detail) if cause is None else \
+            f"the body is not valid JSON in UTF-8 ({type(cause).__name__}: {str(cause)[:200]})"
+        return error(exc.status_code, message, code="invalid_body" if exc.status_code == 400 else None)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's shape, and logged
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", kind="server_error",
-                                       code="internal_error"), status_code=500)
+        return error(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
-    @app.exception_handler(404)
-    async def _not_found(request: Request, _: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"no route {request.method} {request.url.path}; see GET /v1/models, POST "
-                                       "/v1/completions, POST /v1/chat/completions.", code="not_found"),
-                            status_code=404)
+    errors = {status: {"model": ErrorResponse, "description": what} for status, what in [
+        (400, "A malformed request: the message names the field and the fix."), (404, "No such model or route."),
+        (413, "The body is over --max-body-mb."), (503, "Full (--max-queue) or shutting down: retry after Retry-After.")]}
+    generation = {**errors, 200: {"description": "The completion (JSON), or with stream: true server-sent events "
+                                                 "of chunks ending with [DONE].",
+                                  "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}}
 
-    @app.exception_handler(405)
-    async def _not_allowed(request: Request, _: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}.",
-                                       code="method_not_allowed"), status_code=405)
-
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "The scheduler stopped, or the server is shutting down."}})
     async def health() -> JSONResponse:
-        alive = frontend.scheduler.alive
-        return JSONResponse({"status": "ok" if alive else "scheduler stopped"}, status_code=200 if alive else 503)
+        status = "shutting down" if frontend.draining else "ok" if frontend.scheduler.alive else "scheduler stopped"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
-        return Response(frontend.scheduler.metrics.text(), media_type=CONTENT_TYPE)
+        return PlainTextResponse(frontend.scheduler.metrics.text(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": frontend.created,
                                             "owned_by": "dlite-trt", "max_model_len": frontend.max_seq_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generation)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await _serve(request, body, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await _serve(request, body, chat=True)
 
+    openapi = app.openapi
+
+    def schema_without_422() -> dict[str, Any]:
+        """FastAPI lists a 422 for every body; this server answers validation errors with 400."""
+        schema = openapi()
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = schema_without_422
+
     async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest, *, chat: bool) -> Any:
-        prompt = frontend.prompt_ids(body)
+        frontend.screen(body)
+        frontend.in_flight += 1
+        streamed = False
+        try:
+            response = await _answer(request, body, chat)
+            streamed = isinstance(response, _RowStream)  # counted until it is closed
+            return response
+        finally:
+            if not streamed:
+                frontend.in_flight -= 1
+
+    async def _answer(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Any:
+        prompt = await asyncio.to_thread(frontend.prompt_ids, body)  # the template and the tokenizer: off the loop
         params = frontend.params(body, prompt)
         handle, updates = frontend.submit(prompt, params)
         text = ReplyText(frontend.decode, body.stop)
@@ -201,12 +292,14 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
         run = _Run(handle, updates, text, prompt, head, chat, body.return_token_ids)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(run, include_usage), media_type="text/event-stream")
+            return _RowStream(_stream(run, include_usage), frontend, handle)
         reason = None
+        watcher = asyncio.create_task(_until_disconnected(request, run))
         try:
-            async for _, last in _events(run, request):
+            async for _, last in _events(run):
                 reason = last
         finally:
+            watcher.cancel()
             handle.cancel()  # a no-op when it finished; frees the row when this task was cancelled
         if reason is None:  # the client went away: nobody reads this
             return Response(status_code=499)
@@ -233,21 +326,38 @@ class _Run:
         self.head, self.chat, self.token_ids = head, chat, token_ids
 
 
-async def _events(run: _Run, request: Request | None) -> AsyncIterator[tuple[tuple[str, list[int]], str | None]]:
-    """((new text, new ids), None) per piece, then (("", []), finish reason) once the request ends.
-    A stop string cancels its row; a non-streamed request (``request`` given) polls for its client
-    having gone, and cancels its row then (a streamed one is cancelled by Starlette)."""
-    while True:
+async def _until_disconnected(request: Request, run: _Run) -> None:
+    """A non-streamed request's watch on its client (its body is read: what comes next is the
+    disconnect): the client gone, its row is cancelled (queued or running) and its wait ends."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    run.handle.cancel()
+    run.updates.put_nowait(None)
+
+
+class _RowStream(StreamingResponse):
+    """A streamed answer: however it ends (its last event, its client gone, even before its first
+    event was asked for), its row is cancelled and it no longer counts as in flight."""
+
+    def __init__(self, events: AsyncIterator[str], frontend: OpenAIFrontend, handle: Any) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.frontend, self.handle = frontend, handle
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            if request is None:
-                update = await run.updates.get()
-            else:
-                update = await asyncio.wait_for(run.updates.get(), DISCONNECT_POLL_S)
-        except TimeoutError:
-            if await request.is_disconnected():
-                run.handle.cancel()
-                return
-            continue
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.cancel()  # a no-op when it finished
+            self.frontend.in_flight -= 1
+
+
+async def _events(run: _Run) -> AsyncIterator[tuple[tuple[str, list[int]], str | None]]:
+    """((new text, new ids), None) per piece, then (("", []), finish reason) once the request ends;
+    nothing more when its client went away (a None update). A stop string cancels its row."""
+    while True:
+        update = await run.updates.get()
+        if update is None:
+            return
         if update.error is not None:
             run.handle.cancel()
             raise ApiError(500, f"the engine failed on this request: {update.error}", code="engine_error")
@@ -289,7 +399,7 @@ async def _stream(run: _Run, include_usage: bool) -> AsyncIterator[str]:
             yield _sse(chunk("", [], None, role=True))
         reason = None
         try:
-            async for (delta, ids), reason in _events(run, None):
+            async for (delta, ids), reason in _events(run):
                 if reason is None and (delta or ids):
                     yield _sse(chunk(delta, ids, None))
         except ApiError as exc:
@@ -307,3 +417,29 @@ async def _stream(run: _Run, include_usage: bool) -> AsyncIterator[str]:
         yield _sse("[DONE]")
     finally:
         run.handle.cancel()  # a no-op when it finished; frees the row when the client went away
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose first Ctrl-C (or SIGTERM) drains: the listener stays open, new requests and
+    /health get 503 with Retry-After, and the requests in flight run to their end, for at most
+    ``limits.shutdown_timeout`` seconds; then uvicorn's own shutdown (listener closed, what is left
+    cancelled). A second Ctrl-C stops at once."""
+
+    def __init__(self, config: uvicorn.Config, frontend: OpenAIFrontend) -> None:
+        super().__init__(config)
+        self.frontend = frontend
+        self.drain_until: float | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.drain_until is None:
+            self._captured_signals.append(sig)
+            self.frontend.draining = True
+            self.drain_until = time.monotonic() + self.frontend.limits.shutdown_timeout
+            return
+        super().handle_exit(sig, frame)
+        self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_until is not None and (self.frontend.in_flight == 0 or time.monotonic() > self.drain_until):
+            self.should_exit = True
+        return await super().on_tick(counter)

@@ -217,6 +217,10 @@ class Scheduler:
         for i in reversed(range(len(self._rows))):
             if self._rows[i].handle.cancelled and "finish" not in self._rows[i].state:
                 self._leave(i, self._rows[i].handle.reason)
+        with self._cv:  # requests cancelled while queued leave the queue (and are counted) now
+            for row in [r for r in self._waiting if r.handle.cancelled]:
+                self._waiting.remove(row)
+                self.metrics.requests.labels(finish_reason=row.handle.reason).inc()
         joined = self._admit()
         if joined:
             self._run(joined, len(self._rows) - len(joined), self.calls.prefill)
@@ -246,9 +250,6 @@ class Scheduler:
         with self._cv:
             while self._waiting and len(self._rows) < self.limits.max_batch:
                 row = self._waiting[0]
-                if row.handle.cancelled:
-                    self._waiting.popleft()
-                    continue
                 longest = max(len(r.prompt) + r.params.max_new_tokens for r in [*self._rows, row])
                 if self._rows and self._live_bytes_for(longest, self._rows_for(len(self._rows) + 1)) > \
                         self.prefix.budget_bytes:
