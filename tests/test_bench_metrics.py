@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dlite_trt.bench.metrics import RequestRecord, add_speedups, measure, summarize
+from dlite_trt.bench.metrics import RequestRecord, add_speedups, measure, paired_rounds, summarize
 from dlite_trt.bench.report import goals
 from dlite_trt.bench.run import _mismatches
 from dlite_trt.runtime.session import StepEvent
@@ -83,6 +83,41 @@ def test_goals():
     assert g["a"]["ahead_of_ngram"] and g["a"]["dlite_over_ngram"] == 1.25
     assert not g["b"]["speedup_at_least_0.8_al"] and not g["b"]["ahead_of_ngram"]
     assert g["draft_time_flat"] == {"contexts": [256, 16384], "ratio": 1.125, "within_10_percent": False}
+
+
+def _workload_goals(step_s: dict[str, list[float]], al: dict[str, int]) -> dict:
+    """One workload's goals from planted timings: per method, one 96-token request per task
+    (round), a 0.1 s prefill and decode steps of ``step_s[method][task]`` seconds, each keeping
+    ``al[method]`` tokens; summarized as run_workload does."""
+    records = {}
+    for method, steps in step_s.items():
+        records[method] = []
+        for task, s in enumerate(steps):
+            r = RequestRecord("w", method, f"t{task}", 0, 1, 100, output_tokens=96, ttft_s=0.1)
+            r.step_tokens = [al[method]] * (95 // al[method])
+            r.total_s = 0.1 + s * len(r.step_tokens)
+            records[method].append(r)
+    rows = {method: summarize(rs, max_step_tokens=8) for method, rs in records.items()}
+    add_speedups(rows)
+    for method, rounds in paired_rounds(records).items():
+        rows[method]["paired"] = rounds
+    return goals({"workloads": {"w": {"methods": rows}}, "engine": {"weights": {"format": "float"}}})["w"]
+
+
+def test_impossible_step_times_and_noisy_rounds_are_not_judged():
+    ar = [0.05] * 6
+    # a DLite step planted at half a decode step: faster than physics allows, so not judged
+    g = _workload_goals({"ar": ar, "dlite": [0.025] * 6}, {"ar": 1, "dlite": 3})
+    assert g["noise"]["dlite"]["impossible"] and g["noise"]["dlite"]["step_time_over_ar"] == 0.5
+    assert g["targets"]["dlite"]["over_ar"]["met"] is None and "physics" in g["noise"]["dlite"]["summary"]
+    # the same AL at 1.3x a decode step, every round alike: judged (3 x 0.05 / 0.065 = 2.3x >= 2)
+    g = _workload_goals({"ar": ar, "dlite": [0.065] * 6}, {"ar": 1, "dlite": 3})
+    assert not g["noise"]["dlite"]["impossible"] and g["noise"]["dlite"]["round_spread"] < 1e-9
+    assert g["targets"]["dlite"]["over_ar"]["met"] is True
+    # rounds from 1.0x to 2.2x a decode step: a ratio near 2.0 is inside the noise, so not judged
+    g = _workload_goals({"ar": ar, "dlite": [0.05, 0.06, 0.07, 0.08, 0.09, 0.11]}, {"ar": 1, "dlite": 3})
+    assert g["noise"]["dlite"]["round_spread"] > abs(g["targets"]["dlite"]["over_ar"]["ratio"] / 2.0 - 1)
+    assert g["targets"]["dlite"]["over_ar"]["met"] is None
 
 
 def test_speedups_and_host_draft_share():

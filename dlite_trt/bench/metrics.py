@@ -107,6 +107,48 @@ def add_speedups(rows: dict[str, dict], baseline: str = "ar") -> None:
             row["step_time_over_ar"] = row["mean_step_s"] / base["mean_step_s"]
 
 
+def paired_rounds(records: dict[str, Sequence[RequestRecord]], baseline: str = "ar") -> dict[str, dict]:
+    """Each method against the baseline round by round (a round: one task, which every method ran
+    back to back): its tokens/s and its decode-phase step time over the baseline's in that round,
+    as median, p10 and p90 over the rounds. A busy machine moves one method's round and not the
+    other's, so their spread is the noise a pooled ratio hides; and since both ran the same
+    contexts, the step ratio's spread is (nearly) noise alone."""
+    def per_task(rs: Sequence[RequestRecord]) -> dict[str, tuple[float, float]]:
+        totals: dict[str, list[float]] = {}
+        for r in rs:
+            t = totals.setdefault(r.task_id, [0.0, 0.0, 0.0, 0.0])
+            t[0] += r.output_tokens
+            t[1] += r.total_s
+            t[2] += r.total_s - r.ttft_s
+            t[3] += len(r.step_tokens)
+        return {task: (tok / sec if sec else 0.0, dec / n if n else 0.0) for task, (tok, sec, dec, n) in totals.items()}
+
+    if baseline not in records:
+        return {}
+    base = per_task(records[baseline])
+    out = {}
+    for name, rs in records.items():
+        if name == baseline:
+            continue
+        speed, step = [], []
+        for task, (rate, step_s) in per_task(rs).items():
+            b_rate, b_step = base.get(task, (0.0, 0.0))
+            if rate and b_rate:
+                speed.append(rate / b_rate)
+            if step_s and b_step:
+                step.append(step_s / b_step)
+        out[name] = {"rounds": len(speed), "speedup_over_ar": spread(speed), "step_time_over_ar": spread(step)}
+    return out
+
+
+def spread(values: Sequence[float]) -> dict[str, float] | None:
+    """Median, p10 and p90 (None without values)."""
+    if not values:
+        return None
+    p10, median, p90 = (float(v) for v in np.percentile(values, (10, 50, 90)))
+    return {"median": median, "p10": p10, "p90": p90}
+
+
 def summarize(records: Sequence[RequestRecord], max_step_tokens: int) -> dict:
     """Every figure of one method on one workload, from its requests."""
     tokens = sum(r.output_tokens for r in records)

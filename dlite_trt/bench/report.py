@@ -27,8 +27,10 @@ TARGETS = (
 DLITE_METHODS = ("dlite", "dlite-ngram")  # the methods the targets are checked for
 
 
-def _targets(m: dict, variant: str, weights: str) -> dict:
-    """``variant``'s tokens/s over each target's fastest peer mode that ran, against what it needs."""
+def _targets(m: dict, variant: str, weights: str, noise: dict) -> dict:
+    """``variant``'s tokens/s over each target's fastest peer mode that ran, against what it needs.
+    ``met`` is None (not judged) when the run's timings are impossible or its rounds spread wider
+    than the distance between the ratio and what it needs (``noise``)."""
     out = {}
     for goal, peers, need, applies in TARGETS:
         ran = [p for p in peers if p != variant and m.get(p, {}).get("tokens_per_second")]
@@ -36,7 +38,30 @@ def _targets(m: dict, variant: str, weights: str) -> dict:
             continue
         best = max(ran, key=lambda p: m[p]["tokens_per_second"])
         ratio = m[variant]["tokens_per_second"] / m[best]["tokens_per_second"]
-        out[goal] = {"fastest": best, "ratio": ratio, "need": need, "met": ratio >= need}
+        unsure = noise["impossible"] or (noise["round_spread"] or 0.0) > abs(ratio / need - 1.0)
+        out[goal] = {"fastest": best, "ratio": ratio, "need": need, "met": None if unsure else ratio >= need}
+    return out
+
+
+def noise(summary: dict) -> dict:
+    """How far one workload's timings of a speculative method can be trusted: ``impossible`` when
+    its step (K+1 tokens verified, plus the draft) measured cheaper than a 1-token decode step,
+    which only a machine busy with something else can make happen; ``round_spread``, half the
+    p10-p90 width of its round-by-round speedups over target-only, relative to their median."""
+    paired = summary.get("paired") or {}
+    step = [v for v in (summary.get("step_time_over_ar"), (paired.get("step_time_over_ar") or {}).get("median"))
+            if v is not None]
+    speed = paired.get("speedup_over_ar")
+    out = {"rounds": paired.get("rounds", 0), "impossible": bool(step) and min(step) < 1.0,
+           "step_time_over_ar": min(step, default=None), "step_rounds": paired.get("step_time_over_ar"),
+           "round_spread": (speed["p90"] - speed["p10"]) / (2 * speed["median"]) if speed and speed["median"] else None}
+    why = []
+    if out["impossible"]:
+        why.append(f"a step measured {out['step_time_over_ar']:.2f}x a decode step, which physics rules out (it "
+                   "verifies K+1 tokens and drafts): the machine was busy")
+    if out["round_spread"] is not None:
+        why.append(f"speedup rounds spread +-{out['round_spread']:.0%} over {out['rounds']} rounds")
+    out["summary"] = "; ".join(why)
     return out
 
 
@@ -63,7 +88,9 @@ def goals(report: dict) -> dict:
         if "ngram" in m:
             row["dlite_over_ngram"] = d["tokens_per_second"] / m["ngram"]["tokens_per_second"]
             row["ahead_of_ngram"] = row["dlite_over_ngram"] > 1.0
-        row["targets"] = {variant: _targets(m, variant, weights) for variant in DLITE_METHODS if variant in m}
+        row["noise"] = {variant: noise(m[variant]) for variant in DLITE_METHODS if variant in m}
+        row["targets"] = {variant: _targets(m, variant, weights, row["noise"][variant])
+                          for variant in DLITE_METHODS if variant in m}
         row["lossless"] = {k: m[k]["lossless"]["mismatches"] for k in (*DLITE_METHODS, "ngram")
                            if k in m and "lossless" in m[k]}
         row["decomposition"] = {"mean_acceptance_length": d["mean_acceptance_length"],
@@ -198,7 +225,14 @@ def print_tables(report: dict, console: Any) -> None:
         for variant, targets in g["targets"].items():
             console.print(f"  {METHOD_TITLES[variant]}: " + "; ".join(
                 f"{t['ratio']:.2f}x {METHOD_TITLES.get(t['fastest'], t['fastest'])} (need {t['need']}: "
-                f"{'met' if t['met'] else 'NOT met'})" for t in targets.values()))
+                f"{_verdict(t['met'])})" for t in targets.values()))
+            if g["noise"][variant]["summary"]:
+                console.print(f"    noise: {g['noise'][variant]['summary']}")
+
+
+def _verdict(met: bool | None) -> str:
+    return "not judged: too noisy, see below; rerun on a quiet machine" if met is None else \
+        "met" if met else "NOT met"
 
 
 def _print_verify_width(engine: dict, console: Any) -> None:

@@ -20,6 +20,7 @@ from dlite_trt.bench.metrics import (
     add_speedups,
     first_difference,
     measure,
+    paired_rounds,
     summarize,
 )
 from dlite_trt.bench.workloads import Task
@@ -89,6 +90,8 @@ def run_workload(name: str, tasks: Sequence[PreparedTask], methods: Sequence[Met
         summary["target_kv_bytes_max"] = kv_bytes_per_token * max(p.longest for p in tasks)
         out[method.name] = summary
     add_speedups(out)
+    for method, rounds in paired_rounds(records).items():
+        out[method]["paired"] = rounds
     return out, [r for rs in records.values() for r in rs]
 
 
