@@ -13,32 +13,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dlite_trt.bench.live import Run
 from dlite_trt.bench.names import METHOD_NAMES, METHOD_TITLES, PEER_NAMES, check_names
 from dlite_trt.runtime.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
 from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent
 from dlite_trt.runtime.stats import StageTimer
-
-
-class Run:
-    """One live batch of a method: what a multi-turn session keeps between turns."""
-
-    def __init__(self, session: SessionBase) -> None:
-        self.session = session
-
-    def extend(self, ids: Sequence[Sequence[int]]) -> None:
-        self.session.extend(ids)
-
-    def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
-        raise NotImplementedError
-
-    @property
-    def draft_context_tokens(self) -> int:
-        """Context tokens the drafter has processed outside decoding steps (0: nothing to catch up on)."""
-        return 0
-
-    def draft_state_bytes(self) -> int:
-        """Bytes the drafter keeps per batch between steps."""
-        return 0
 
 
 class _TargetOnly(Run):

@@ -41,7 +41,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from dlite_trt.bench.methods import Run
+from dlite_trt.bench.live import Run
 from dlite_trt.bench.names import METHOD_TITLES, PEER_NAMES
 from dlite_trt.errors import DLiteError
 from dlite_trt.runtime.prompt_lookup import PromptLookupConfig

@@ -1,0 +1,31 @@
+"""A method's live batch (``Run``): what bench/methods.py's methods and bench/peers.py's peers
+share, in a module of its own so that neither imports the other for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent
+from dlite_trt.runtime.stats import StageTimer
+
+
+class Run:
+    """One live batch of a method: what a multi-turn session keeps between turns."""
+
+    def __init__(self, session: SessionBase) -> None:
+        self.session = session
+
+    def extend(self, ids: Sequence[Sequence[int]]) -> None:
+        self.session.extend(ids)
+
+    def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
+        raise NotImplementedError
+
+    @property
+    def draft_context_tokens(self) -> int:
+        """Context tokens the drafter has processed outside decoding steps (0: nothing to catch up on)."""
+        return 0
+
+    def draft_state_bytes(self) -> int:
+        """Bytes the drafter keeps per batch between steps."""
+        return 0
