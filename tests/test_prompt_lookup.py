@@ -169,10 +169,11 @@ def weak_draft_case(tmp_path_factory):
 
 
 @pytest.mark.parametrize("verify_drafts", [2, 7])
-def test_dlite_with_lookup_is_lossless_and_uses_the_lookup(weak_draft_case, verify_drafts):
+def test_dlite_with_lookup_is_lossless_and_uses_the_lookup(weak_draft_case, verify_drafts, monkeypatch):
     """DLite's step verifying n-gram proposals where the lookup matches: greedy output equals
     target-only (batch of uneven rows, at a narrow and the full width), and the lookup's proposals
-    are what gets accepted (the random draft alone keeps almost nothing)."""
+    are what gets accepted (the random draft alone keeps almost nothing). Steps where every row
+    has a proposal run the target alone (the ``decode`` graph): the draft is skipped, and counted."""
     from dlite_trt.runtime.engine import EngineGenerator
 
     hf, engine = weak_draft_case
@@ -183,8 +184,14 @@ def test_dlite_with_lookup_is_lossless_and_uses_the_lookup(weak_draft_case, veri
     alone = gen.generate(prompts, params)
     session = gen.session(prompts)
     drafter = PromptLookupDrafter(3, PromptLookupConfig(min_ngram=1))
+    graphs, infer = [], engine.runner.infer
+    monkeypatch.setattr(engine.runner, "infer", lambda graph, *args: (graphs.append(graph), infer(graph, *args))[1])
     looked = session._collect(lambda p, timer: session.stream(p, timer, lookup=drafter), params)
     assert alone.output_ids == want and looked.output_ids == want
+    per_step = [g for g in graphs if g != "prefill"]
+    assert len(per_step) == len(looked.steps) and {"step", "decode"} <= set(per_step)  # one call per step, both kinds
+    running = [sum(d is not None for d in s.draft_tokens) for s in looked.steps]
+    assert session.skipped_drafts == sum(n for n, g in zip(running, per_step, strict=True) if g == "decode")
     kept = [n for s in looked.steps for n in s.accepted if n is not None]
     assert max(kept) >= 3 and len(looked.steps) < len(alone.steps)
     if verify_drafts < 7:  # a lookup proposal longer than the width widened the block

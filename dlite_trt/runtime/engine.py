@@ -76,6 +76,7 @@ class EngineSession(SessionBase):
         self.cache = self.runner.new_cache(self.batch_size) if cache is None else cache
         self.k = gen.cfg.num_proposals
         self.g = gen.cfg.anchor_group_size
+        self.skipped_drafts = 0  # steps (per row) that verified n-gram proposals without running the draft
 
     def _check_length(self, longest: int) -> None:
         limit = self.gen.manifest.limits.max_seq_len
@@ -104,11 +105,14 @@ class EngineSession(SessionBase):
                          np.array([c + st for c, st in zip(self.cache_len, starts, strict=True)], np.int64),
                          [len(p) for p in pieces])
 
-    def _group_prefix(self) -> np.ndarray:
-        """[B, G-1]: the last G-1 tokens of each sequence (those before the anchor), left-padded with 0."""
+    def _group_prefix(self, anchored: bool = False) -> np.ndarray:
+        """[B, G-1]: the G-1 tokens of each sequence before the anchor, left-padded with 0: its last
+        G-1 (at the prefill, which makes the anchor), or those before its last (``anchored``: the
+        sequence ends with its anchor)."""
         prefix = np.zeros((self.batch_size, self.g - 1), np.int64)
         for row, toks in enumerate(self.tokens):
-            tail = toks[-(self.g - 1):]
+            end = len(toks) - anchored
+            tail = toks[max(end - (self.g - 1), 0): end]
             prefix[row, self.g - 1 - len(tail):] = tail
         return prefix
 
@@ -148,9 +152,13 @@ class EngineSession(SessionBase):
         """Yield the tokens each engine call emits, per sequence, until every sequence stops.
 
         ``lookup`` (greedy only; a ``PromptLookupDrafter``): where n-gram prompt lookup finds a match,
-        its proposal replaces the draft's in the block the step verifies (``_looked_up``); the
-        draft still drafts every next block. Verification does not care where drafts came from, so
-        the output stays the target's greedy output.
+        its proposal replaces the draft's in the block the step verifies (``_looked_up``). When
+        every running sequence has a match, the draft is not needed: the step verifies the
+        proposals through the ``decode`` graph (as n-gram lookup alone does) and skips the draft
+        (counted in ``skipped_drafts``); the next ``step`` call then verifies, for rows without a
+        match, a block whose drafts were not made from its anchor (it keeps at least the target's
+        token) and drafts again. Verification does not care where drafts came from, so the output
+        stays the target's greedy output.
 
         Greedy runs use the ``prefill``/``step`` graphs; sampling runs the ``*_sampling`` ones,
         with uniforms drawn in the reference's order (anchor, then per step: accept tests,
@@ -184,9 +192,20 @@ class EngineSession(SessionBase):
         engine_before = self.cache.engine_seconds
         width = k + 1 if sampling else self.gen.verify_drafts + 1  # a greedy step verifies d_1..d_k
         while any(self._active):
+            proposals = None if lookup is None else \
+                [lookup.propose(row, self.tokens[row], self.k) if self._active[row] else [] for row in range(b)]
+            if proposals is not None and all(p for p, a in zip(proposals, self._active, strict=True) if a):
+                with timer.time("verify"):  # every running row has a proposal: no draft this step
+                    event = self._verify_proposals(proposals, params, draw)
+                block = np.array([[t[-1]] + [0] * k for t in self.tokens], np.int64)  # the anchors; no drafts
+                if self.g > 1:
+                    prefix = {"group_prefix": self._group_prefix(anchored=True)}
+                yield event
+                continue
             with timer.time("step"):
                 past_len = np.array(self.cache_len, np.int64)  # = anchor position of every active row
-                block = np.ascontiguousarray(block[:, :width]) if lookup is None else self._looked_up(block, width, lookup)
+                block = np.ascontiguousarray(block[:, :width]) if proposals is None else \
+                    self._looked_up(block, width, proposals)
                 feeds = {"block": block, "past_len": past_len, **prefix, **carried,
                          **random_feeds(("u_accept", (b, k)), ("u_resample", (b,)), ("u_draft", (b, k)))}
                 out = self._infer("step" + suffix, feeds)
@@ -203,17 +222,19 @@ class EngineSession(SessionBase):
             yield event
         timer.seconds["engine"] += self.cache.engine_seconds - engine_before
 
-    def _looked_up(self, block: np.ndarray, width: int, lookup: Any) -> np.ndarray:
+    def _looked_up(self, block: np.ndarray, width: int, proposals: list[list[int]]) -> np.ndarray:
         """[anchor, drafts]: per active row the n-gram proposal after its tokens (which end with the
         anchor: it was emitted by the previous call) where there is one, else the draft's first
         width-1 drafts; the block widens to the longest proposal (at most K), rows with shorter
         ones keep the draft's drafts after theirs."""
-        proposals = [lookup.propose(row, self.tokens[row], self.k) if self._active[row] else []
-                     for row in range(self.batch_size)]
         out = np.array(block[:, : max(width, 1 + max(map(len, proposals)))])
         for row, proposal in enumerate(proposals):
             out[row, 1 : 1 + len(proposal)] = proposal
         return out
+
+    def _verify_proposals(self, proposals: list[list[int]], params: SamplingParams, uniforms) -> StepEvent:
+        self.skipped_drafts += sum(self._active)  # a step of n-gram proposals: the draft does not run
+        return super()._verify_proposals(proposals, params, uniforms)
 
     def _target_first(self, params: SamplingParams, uniforms) -> list[int]:
         b = self.batch_size

@@ -157,18 +157,23 @@ class SessionBase:
                 proposals = [drafter.propose(row, self.tokens[row], limit) if self._active[row] else []
                              for row in range(b)]
             with timer.time("verify"):
-                pos = [len(t) - 1 for t in self.tokens]  # the last token, not yet cached
-                target = self._target_verify([[t[-1], *p] for t, p in zip(self.tokens, proposals, strict=True)],
-                                             pos, params, uniforms)
-                accepted = []
-                for want, got in zip(proposals, target, strict=True):
-                    n = 0
-                    while n < len(want) and got[n] == want[n]:
-                        n += 1
-                    accepted.append(n)
-                event = self._finish_step(proposals, accepted,
-                                          lambda row, n, p=proposals, t=target: p[row][:n] + [t[row][n]], pos, params)
+                event = self._verify_proposals(proposals, params, uniforms)
             yield event
+
+    def _verify_proposals(self, proposals: list[list[int]], params: SamplingParams, uniforms: Uniforms) -> StepEvent:
+        """One step of model-free drafts: the target alone verifies [last token, proposal] per row,
+        keeping the proposal's prefix that agrees with it and its own token after that."""
+        pos = [len(t) - 1 for t in self.tokens]  # the last token, not yet cached
+        target = self._target_verify([[t[-1], *p] for t, p in zip(self.tokens, proposals, strict=True)],
+                                     pos, params, uniforms)
+        accepted = []
+        for want, got in zip(proposals, target, strict=True):
+            n = 0
+            while n < len(want) and got[n] == want[n]:
+                n += 1
+            accepted.append(n)
+        return self._finish_step(proposals, accepted, lambda row, n: proposals[row][:n] + [target[row][n]], pos,
+                                 params)
 
     def stream_target_only(self, params: SamplingParams, timer: StageTimer | None = None) -> Iterator[StepEvent]:
         """Yield each call's token per sequence, decoding with the target alone (the baseline)."""
