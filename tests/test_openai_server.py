@@ -453,17 +453,25 @@ def test_memory_stays_within_the_kv_budget(engine, oracle, code):
         server.stop()
 
 
-@pytest.mark.parametrize("method", ["ngram", "none"])
+@pytest.mark.parametrize("method", ["ngram", "none", "dlite-ngram"])
 def test_the_servers_own_baselines(engine, oracle, code, method):
+    """The baselines, and DLite with n-gram lookup: exact; dlite-ngram skips the draft on steps
+    where every row has a lookup proposal (the decode graph) and drafts on the others."""
     greedy, _ = oracle
     server = Server(engine, "--speculative", method)
     try:
         prompt = code[2][:50]
+        repeated = prompt[:20] * 3  # text that repeats: the lookup finds matches
         ids, _, r = _complete(server, prompt, 40)
         assert ids == greedy(prompt, 40)
+        assert _complete(server, repeated, 40)[0] == greedy(repeated, 40)
         if method == "none":
             assert r["speculative"]["proposed_draft_tokens"] == 0
             assert r["speculative"]["mean_acceptance_length"] == 1.0
+        if method == "dlite-ngram":
+            m = server.metrics()
+            assert m['dlite_engine_calls_total{graph="step"}'] > 0 and m['dlite_engine_calls_total{graph="decode"}'] > 0
+            assert m["dlite_draft_skipped_total"] == m['dlite_engine_calls_total{graph="decode"}']  # batches of one
     finally:
         server.stop()
 

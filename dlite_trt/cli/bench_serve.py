@@ -28,7 +28,7 @@ def _list(value: str, option: str, allowed: tuple[str, ...] | None = None) -> tu
                                                              "4 with --quick].")
 @click.option("--turns", type=click.IntRange(min=1), help="Turns per agentic session [default: 5; 3 with --quick].")
 @click.option("--concurrency", default="1,4,16", show_default=True, help="Concurrent clients, comma-separated.")
-@click.option("--speculative", "methods", default="dlite,ngram,none", show_default=True,
+@click.option("--speculative", "methods", default="dlite,dlite-ngram,ngram,none", show_default=True,
               help="Server drafting methods, comma-separated.")
 @click.option("--reuse", default="on,off", show_default=True, help="Prefix reuse settings, comma-separated.")
 @click.option("--quick", is_flag=True, help="4 sessions of 3 turns at concurrency 1 and 4, dlite and none.")
@@ -56,7 +56,7 @@ def command(engine: Path, dataset: Path | None, sessions: int | None, turns: int
     levels = tuple(int(c) for c in _list(concurrency, "--concurrency") if c.isdigit() and int(c) > 0)
     if len(levels) != len(_list(concurrency, "--concurrency")):
         raise click.BadParameter(f"expected integers >= 1, got {concurrency!r}", param_hint="--concurrency")
-    chosen = _list(methods, "--speculative", ("dlite", "ngram", "none"))
+    chosen = _list(methods, "--speculative", ("dlite", "dlite-ngram", "ngram", "none"))
     settings = tuple(v == "on" for v in _list(reuse, "--reuse", ("on", "off")))
     if dataset is not None:
         tasks = read_jsonl(dataset)

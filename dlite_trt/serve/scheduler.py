@@ -41,7 +41,7 @@ from dlite_trt.runtime.session import SamplingParams, cut_emission
 from dlite_trt.serve.metrics import ServerMetrics
 from dlite_trt.serve.prefix_cache import PrefixCache
 
-SPECULATIVE = ("dlite", "ngram", "none")
+SPECULATIVE = ("dlite", "dlite-ngram", "ngram", "none")
 FAULT_PROMPT_ENV = "DLITE_TRT_TEST_FAULT_PROMPT"  # tests only: a row with exactly this prompt fails its calls
 
 
@@ -121,7 +121,8 @@ class Scheduler:
         manifest = generator.manifest
         self.limits, self.cfg, self.spec = manifest.limits, manifest.draft_config, manifest.target_spec
         self.speculative = speculative
-        self.calls = _DLiteCalls(self) if speculative == "dlite" else _DecodeCalls(self, speculative == "ngram")
+        self.calls = {"dlite": _DLiteCalls, "dlite-ngram": _DLiteNgramCalls}.get(
+            speculative, lambda s: _DecodeCalls(s, speculative == "ngram"))(self)
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics(self.cfg.num_proposals)
         self.counter.on_call = lambda graph: self.metrics.engine_calls.labels(graph=graph).inc()
@@ -382,12 +383,18 @@ class _DLiteCalls:
 
     def step(self, rows: list[_Row], view: KVCache) -> list[_Result]:
         sampling = any(r.sampling for r in rows)
+        k = self.k if sampling else self.sched.generator.verify_drafts  # a greedy step verifies d_1..d_k
+        return self._verify_and_draft(rows, view, np.stack([r.state["block"][: k + 1] for r in rows]))
+
+    def _verify_and_draft(self, rows: list[_Row], view: KVCache, block: np.ndarray) -> list[_Result]:
+        """One step call: verify ``block`` ([anchor, drafts] per row), accept, draft the next block."""
+        sampling = any(r.sampling for r in rows)
         for row in rows:
             if not row.draws:
                 row.draw(("u_accept", (1, self.k)), ("u_resample", (1,)), ("u_draft", (1, self.k)))
         past_len = np.array([r.cache_len for r in rows], np.int64)
-        k = self.k if sampling else self.sched.generator.verify_drafts  # a greedy step verifies d_1..d_k
-        feeds = {"block": np.stack([r.state["block"][: k + 1] for r in rows]), "past_len": past_len}
+        k = block.shape[1] - 1
+        feeds = {"block": block, "past_len": past_len}
         if self.g > 1:
             feeds["group_prefix"] = np.stack([r.state["prefix"] for r in rows])
         if sampling:
@@ -410,6 +417,45 @@ class _DLiteCalls:
                                    drafts=k, accepted=n[i]))
             row.draws = {}
         return results
+
+
+class _DLiteNgramCalls(_DLiteCalls):
+    """DLite + n-gram prompt lookup (greedy batches): a row's lookup proposal, where it has one,
+    replaces its drafts in the block the step verifies; when every row has one, the target alone
+    verifies them on the decode graph and the draft is skipped (``dlite_draft_skipped_total``),
+    and the next step call drafts again. A batch with a sampled row runs plain DLite."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        super().__init__(sched)
+        self.decode = _DecodeCalls(sched, ngram=True)
+
+    def prefill(self, rows: list[_Row], view: KVCache) -> list[_Result]:
+        results = super().prefill(rows, view)
+        for result in results:
+            result.state["ngram"] = NgramIndex(self.decode.lookup)
+        return results
+
+    def step(self, rows: list[_Row], view: KVCache) -> list[_Result]:
+        if any(r.sampling for r in rows):
+            return super().step(rows, view)
+        proposals = [r.state["ngram"].propose(r.tokens, min(self.k, self.decode.width - 1)) for r in rows]
+        if all(proposals):
+            results = self.decode.verify(rows, view, proposals)
+            for row, result in zip(rows, results, strict=True):  # no draft: the next block is the anchor alone
+                block = np.zeros(self.k + 1, np.int64)
+                block[0] = result.tokens[-1]
+                result.state = {"block": block}
+                if self.g > 1:
+                    before = [*row.tokens, *result.tokens[:-1]][-(self.g - 1):]
+                    result.state["prefix"] = np.array([0] * (self.g - 1 - len(before)) + before, np.int64)
+            self.sched.metrics.draft_skipped.inc(len(rows))
+            return results
+        k = self.sched.generator.verify_drafts
+        width = max(k, *map(len, proposals)) + 1
+        block = np.stack([r.state["block"][:width] for r in rows])
+        for i, proposal in enumerate(proposals):
+            block[i, 1: 1 + len(proposal)] = proposal
+        return self._verify_and_draft(rows, view, block)
 
 
 class _DecodeCalls:
@@ -438,6 +484,10 @@ class _DecodeCalls:
 
     def step(self, rows: list[_Row], view: KVCache) -> list[_Result]:
         proposals = [r.state["ngram"].propose(r.tokens, self.width - 1) if self.lookup else [] for r in rows]
+        return self.verify(rows, view, proposals)
+
+    def verify(self, rows: list[_Row], view: KVCache, proposals: list[list[int]]) -> list[_Result]:
+        """The target alone on [last token, proposal] per row: the proposal's agreeing prefix and its next token."""
         fed = [[r.tokens[-1], *p] for r, p in zip(rows, proposals, strict=True)]
         width = max(map(len, fed))
         for row, f in zip(rows, fed, strict=True):
