@@ -27,6 +27,26 @@ from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase
 from dlite_trt.runtime.stats import StageTimer
 
 
+# Every engine call feeds at least this many tokens per sequence (a decode call's one token gets
+# a dummy after it, whose output and KV entry are dropped). ONNX Runtime's MLAS computes a
+# 1-row product on other kernels than a 2-or-more-row one (fp32 MatMul of two activations, as in
+# attention: SgemmKernelM1Routine; MatMulNBits on AVX2: SQ4BitGemmM1Kernel_CompInt8), which round
+# differently, while rows of any 2-or-more-row product are bitwise those of any other: so a
+# target-only decode call computes each position exactly as a speculative step's verify does, and
+# greedy speculative output equals the engine's own target-only greedy at every precision,
+# MatMulNBits' int8 activations (accuracy level 4) included. A decode call of 2 tokens costs
+# about what one of 1 does (memory-bound).
+MIN_CALL_TOKENS = 2
+
+
+def padded_ids(rows: Sequence[Sequence[int]], batch: int | None = None) -> np.ndarray:
+    """[B, T] int64 right-padded with 0, T at least ``MIN_CALL_TOKENS``."""
+    ids = np.zeros((batch or len(rows), max(MIN_CALL_TOKENS, *map(len, rows))), np.int64)
+    for row, toks in enumerate(rows):
+        ids[row, : len(toks)] = toks
+    return ids
+
+
 @dataclass(frozen=True)
 class _Chunk:
     ids: np.ndarray  # [B, T] int64, right-padded
@@ -98,10 +118,7 @@ class EngineSession(SessionBase):
                 start = max(0, end - size)
                 pieces.append(s[start:end] if end > 0 else [])
                 starts.append(start)
-            ids = np.zeros((self.batch_size, max(1, *map(len, pieces))), np.int64)
-            for row, piece in enumerate(pieces):
-                ids[row, : len(piece)] = piece
-            yield _Chunk(ids, np.array([max(1, len(p)) for p in pieces], np.int64),
+            yield _Chunk(padded_ids(pieces), np.array([max(1, len(p)) for p in pieces], np.int64),
                          np.array([c + st for c, st in zip(self.cache_len, starts, strict=True)], np.int64),
                          [len(p) for p in pieces])
 
@@ -245,7 +262,7 @@ class EngineSession(SessionBase):
     def _target_next(self, tokens: list[int], pos: list[int], params: SamplingParams, uniforms) -> list[int]:
         b = self.batch_size
         out = self._call("decode", {
-            "input_ids": np.array(tokens, np.int64)[:, None], "past_len": np.array(pos, np.int64),
+            "input_ids": padded_ids([[t] for t in tokens]), "past_len": np.array(pos, np.int64),
             "output_index": np.zeros((b, 1), np.int64), "temperature": np.full(b, params.temperature, np.float32),
             "uniforms": _host(uniforms, b, 1)}, pos, [int(a) for a in self._active])
         return out["next_tokens"][:, 0].tolist()
@@ -257,9 +274,9 @@ class EngineSession(SessionBase):
 
     def _target_verify(self, fed: list[list[int]], pos: list[int], params: SamplingParams,
                        uniforms) -> list[list[int]]:
-        padded, count = self._padded(fed)
-        ids = np.array(padded, np.int64)
-        b, width = ids.shape
+        _, count = self._padded(fed)
+        ids = padded_ids(fed)
+        b, width = len(fed), max(map(len, fed))  # the outputs wanted: every fed token's next
         out = self._call("decode", {
             "input_ids": ids, "past_len": np.array(pos, np.int64),
             "output_index": np.broadcast_to(np.arange(width, dtype=np.int64), (b, width)),

@@ -33,7 +33,7 @@ import torch
 
 from dlite_trt.errors import DLiteError
 from dlite_trt.export.contract import SAMPLING_SUFFIX, cache_capacity_max
-from dlite_trt.runtime.engine import EngineGenerator, EngineSession
+from dlite_trt.runtime.engine import EngineGenerator, EngineSession, padded_ids
 from dlite_trt.runtime.kv_cache import GRANULE, KVCache
 from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig
 from dlite_trt.runtime.sampling import is_greedy
@@ -489,17 +489,16 @@ class _DecodeCalls:
     def verify(self, rows: list[_Row], view: KVCache, proposals: list[list[int]]) -> list[_Result]:
         """The target alone on [last token, proposal] per row: the proposal's agreeing prefix and its next token."""
         fed = [[r.tokens[-1], *p] for r, p in zip(rows, proposals, strict=True)]
-        width = max(map(len, fed))
+        width = max(map(len, fed))  # the outputs wanted: every fed token's next
         for row, f in zip(rows, fed, strict=True):
             if not row.draws:
                 row.draw(("uniforms", (1, len(f))))
-        ids = np.zeros((len(rows), width), np.int64)
+        ids = padded_ids(fed)  # at least MIN_CALL_TOKENS per row: the kernels a verify uses
         uniforms = np.zeros((len(rows), width), np.float32)
         for i, (row, f) in enumerate(zip(rows, fed, strict=True)):
-            ids[i, : len(f)] = f
             uniforms[i, : len(f)] = row.draws["uniforms"][0]
         past_len = np.array([len(r.tokens) - 1 for r in rows], np.int64)
-        view.reserve(int(past_len.max()) + width, view.capacity)
+        view.reserve(int(past_len.max()) + ids.shape[1], view.capacity)
         out = self.sched.counter.infer("decode", {
             "input_ids": ids, "past_len": past_len, "temperature": _temperatures(rows), "uniforms": uniforms,
             "output_index": np.broadcast_to(np.arange(width, dtype=np.int64), (len(rows), width))}, view)

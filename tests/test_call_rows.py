@@ -1,0 +1,59 @@
+"""A target-only decode call computes its position on the kernels a speculative verify uses
+(``runtime.engine.MIN_CALL_TOKENS``): ONNX Runtime computes a 1-row product on other kernels
+than a 2-or-more-row one, and they round differently. Checked bitwise on every new KV entry of
+every layer, in fp32 and at int4 accuracy level 4 (int8 activations, which turn such
+differences into int8-sized ones); a planted 1-token decode call fails the same check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dlite_trt.bundled import bundled_pair
+from dlite_trt.engine.build import BuildSettings, build_engine
+from dlite_trt.export.contract import EngineLimits
+from dlite_trt.export.nbits_levels import INT8_ACTIVATIONS
+from dlite_trt.runtime import engine as engine_module
+from dlite_trt.runtime.engine import open_engine
+from dlite_trt.runtime.session import SamplingParams
+
+PROMPT = list(range(20, 60))
+GREEDY = SamplingParams(max_new_tokens=8)
+
+
+@pytest.fixture(scope="module", params=["fp32", "int4-level-4"])
+def engine(request, tmp_path_factory):
+    settings = {"fp32": {}, "int4-level-4": {"weights": "int4", "int4_accuracy_level": INT8_ACTIVATIONS}}
+    out = tmp_path_factory.mktemp(request.param) / "engine"
+    build_engine(*bundled_pair(), out, BuildSettings(limits=EngineLimits(max_batch=2, max_seq_len=256, max_chunk=32),
+                                                     **settings[request.param]), progress=False)
+    return open_engine(out, threads=1)
+
+
+def _new_entries(engine, monkeypatch, call) -> np.ndarray:
+    """The new K entries (layers, batch, heads, tokens, dim) of the decode-graph call ``call(session,
+    first token)`` makes right after the prefill of PROMPT."""
+    seen, infer = [], engine.runner.infer
+    monkeypatch.setattr(engine.runner, "infer", lambda graph, feeds, cache: seen.append(infer(graph, feeds, cache))
+                        or seen[-1])
+    session = engine.session([PROMPT])
+    first = session._target_first(GREEDY, lambda *shape: None)
+    call(session, first[0])
+    monkeypatch.setattr(engine.runner, "infer", infer)
+    return np.asarray(seen[-1]["new_key"])
+
+
+def _decode(session, token):  # what target-only decoding runs
+    session._target_next([token], [len(PROMPT)], GREEDY, lambda *shape: None)
+
+
+def _verify(session, token):  # what a speculative step verifies: the token and two drafts
+    session._target_verify([[token, 7, 9]], [len(PROMPT)], GREEDY, lambda *shape: None)
+
+
+def test_a_decode_call_computes_its_token_as_a_verify_does(engine, monkeypatch):
+    decoded, verified = (_new_entries(engine, monkeypatch, call)[..., 0, :] for call in (_decode, _verify))
+    assert np.array_equal(decoded, verified)
+    monkeypatch.setattr(engine_module, "MIN_CALL_TOKENS", 1)  # planted: a 1-token call, a 1-row product
+    planted = _new_entries(engine, monkeypatch, _decode)
+    assert planted.shape[-2] == 1 and not np.array_equal(planted[..., 0, :], verified)
