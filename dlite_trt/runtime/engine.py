@@ -21,6 +21,7 @@ import numpy as np
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
 from dlite_trt.export.contract import SAMPLING_SUFFIX, cache_capacity_max
+from dlite_trt.export.nbits_levels import FP32_COMPUTE
 from dlite_trt.runtime.kv_cache import KVCache
 from dlite_trt.runtime.sampling import is_greedy
 from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent
@@ -32,16 +33,23 @@ from dlite_trt.runtime.stats import StageTimer
 # 1-row product on other kernels than a 2-or-more-row one (fp32 MatMul of two activations, as in
 # attention: SgemmKernelM1Routine; MatMulNBits on AVX2: SQ4BitGemmM1Kernel_CompInt8), which round
 # differently, while rows of any 2-or-more-row product are bitwise those of any other: so a
-# target-only decode call computes each position exactly as a speculative step's verify does, and
-# greedy speculative output equals the engine's own target-only greedy at every precision,
-# MatMulNBits' int8 activations (accuracy level 4) included. A decode call of 2 tokens costs
-# about what one of 1 does (memory-bound).
+# target-only decode call computes its position on the kernels a speculative step's verify uses.
+# Measured (one SmolLM2-shaped [M, 576] x [576, 12288] product, 1 thread, medians of 30): fp32
+# MatMul 2.87 ms at M = 1, 1.61 at M = 2; MatMulNBits level 4: 0.55 and 0.55. Not at int4
+# accuracy level 0 (``min_call_tokens``): there the 1-row product is a fused dequantizing kernel
+# and 2 rows dequantize the whole matrix first, 0.98 ms against 4.67.
 MIN_CALL_TOKENS = 2
 
 
-def padded_ids(rows: Sequence[Sequence[int]], batch: int | None = None) -> np.ndarray:
-    """[B, T] int64 right-padded with 0, T at least ``MIN_CALL_TOKENS``."""
-    ids = np.zeros((batch or len(rows), max(MIN_CALL_TOKENS, *map(len, rows))), np.int64)
+def min_call_tokens(manifest: Manifest) -> int:
+    """``MIN_CALL_TOKENS``, but 1 on an int4 engine at accuracy level 0 (see above)."""
+    weights = manifest.weights
+    return 1 if weights.format == "int4" and weights.accuracy_level == FP32_COMPUTE else MIN_CALL_TOKENS
+
+
+def padded_ids(rows: Sequence[Sequence[int]], minimum: int = MIN_CALL_TOKENS) -> np.ndarray:
+    """[B, T] int64 right-padded with 0, T at least ``minimum``."""
+    ids = np.zeros((len(rows), max(minimum, *map(len, rows))), np.int64)
     for row, toks in enumerate(rows):
         ids[row, : len(toks)] = toks
     return ids
@@ -96,6 +104,7 @@ class EngineSession(SessionBase):
         self.cache = self.runner.new_cache(self.batch_size) if cache is None else cache
         self.k = gen.cfg.num_proposals
         self.g = gen.cfg.anchor_group_size
+        self.min_tokens = min_call_tokens(gen.manifest)
         self.skipped_drafts = 0  # steps (per row) that verified n-gram proposals without running the draft
 
     def _check_length(self, longest: int) -> None:
@@ -118,7 +127,7 @@ class EngineSession(SessionBase):
                 start = max(0, end - size)
                 pieces.append(s[start:end] if end > 0 else [])
                 starts.append(start)
-            yield _Chunk(padded_ids(pieces), np.array([max(1, len(p)) for p in pieces], np.int64),
+            yield _Chunk(padded_ids(pieces, self.min_tokens), np.array([max(1, len(p)) for p in pieces], np.int64),
                          np.array([c + st for c, st in zip(self.cache_len, starts, strict=True)], np.int64),
                          [len(p) for p in pieces])
 
@@ -262,7 +271,7 @@ class EngineSession(SessionBase):
     def _target_next(self, tokens: list[int], pos: list[int], params: SamplingParams, uniforms) -> list[int]:
         b = self.batch_size
         out = self._call("decode", {
-            "input_ids": padded_ids([[t] for t in tokens]), "past_len": np.array(pos, np.int64),
+            "input_ids": padded_ids([[t] for t in tokens], self.min_tokens), "past_len": np.array(pos, np.int64),
             "output_index": np.zeros((b, 1), np.int64), "temperature": np.full(b, params.temperature, np.float32),
             "uniforms": _host(uniforms, b, 1)}, pos, [int(a) for a in self._active])
         return out["next_tokens"][:, 0].tolist()
@@ -275,7 +284,7 @@ class EngineSession(SessionBase):
     def _target_verify(self, fed: list[list[int]], pos: list[int], params: SamplingParams,
                        uniforms) -> list[list[int]]:
         _, count = self._padded(fed)
-        ids = padded_ids(fed)
+        ids = padded_ids(fed, self.min_tokens)
         b, width = len(fed), max(map(len, fed))  # the outputs wanted: every fed token's next
         out = self._call("decode", {
             "input_ids": ids, "past_len": np.array(pos, np.int64),

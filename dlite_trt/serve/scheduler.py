@@ -33,7 +33,7 @@ import torch
 
 from dlite_trt.errors import DLiteError
 from dlite_trt.export.contract import SAMPLING_SUFFIX, cache_capacity_max
-from dlite_trt.runtime.engine import EngineGenerator, EngineSession, padded_ids
+from dlite_trt.runtime.engine import EngineGenerator, EngineSession, min_call_tokens, padded_ids
 from dlite_trt.runtime.kv_cache import GRANULE, KVCache
 from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig
 from dlite_trt.runtime.sampling import is_greedy
@@ -465,6 +465,7 @@ class _DecodeCalls:
     def __init__(self, sched: Scheduler, ngram: bool) -> None:
         self.sched = sched
         self.lookup = PromptLookupConfig(num_tokens=sched.cfg.num_proposals) if ngram else None
+        self.min_tokens = min_call_tokens(sched.generator.manifest)
         self.width = min(sched.cfg.block_size, sched.limits.max_chunk)
 
     def prefill(self, rows: list[_Row], view: KVCache) -> list[_Result]:
@@ -493,7 +494,7 @@ class _DecodeCalls:
         for row, f in zip(rows, fed, strict=True):
             if not row.draws:
                 row.draw(("uniforms", (1, len(f))))
-        ids = padded_ids(fed)  # at least MIN_CALL_TOKENS per row: the kernels a verify uses
+        ids = padded_ids(fed, self.min_tokens)  # the kernels a verify uses (runtime.engine.MIN_CALL_TOKENS)
         uniforms = np.zeros((len(rows), width), np.float32)
         for i, (row, f) in enumerate(zip(rows, fed, strict=True)):
             uniforms[i, : len(f)] = row.draws["uniforms"][0]
