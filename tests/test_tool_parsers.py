@@ -1,0 +1,94 @@
+"""The tool-call parsers on constructed outputs: calls alone, several, with text around them,
+malformed and cut ones (content, never an error), and streamed piece by piece: the events add
+up to the non-streamed message, calls are sent once complete, and nothing is sent that a later
+piece takes back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dlite_trt.serve.tool_parsers import PARSERS, Hermes, Llama3Json, ToolCallStream
+
+WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+SEARCH = {"name": "search", "arguments": {"query": "ß \\ \"quoted\"", "limit": 3}}
+
+
+def _hermes(*calls: dict) -> str:
+    return "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in calls)
+
+
+def _llama(*calls: dict) -> str:
+    return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls)
+
+
+def _calls(parsed) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
+
+
+# (parser, output, content wanted, calls wanted)
+CASES = [
+    (Hermes, _hermes(WEATHER), None, [WEATHER]),
+    (Hermes, "Let me check.\n" + _hermes(WEATHER, SEARCH), "Let me check.\n", [WEATHER, SEARCH]),
+    (Hermes, _hermes(WEATHER) + "It is sunny.", "\nIt is sunny.", [WEATHER]),
+    (Hermes, "No tools needed: 4.", "No tools needed: 4.", []),
+    (Hermes, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par", None, []),  # cut: content
+    (Hermes, "<tool_call>{not json}</tool_call>", None, []),  # malformed: content
+    (Hermes, "<tool_call>{\"arguments\": {}}</tool_call>", None, []),  # no name: content
+    (Hermes, "<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>", None, []),  # arguments not an object
+    (Hermes, _hermes(WEATHER) + "<tool_call>{broken", "\n<tool_call>{broken", [WEATHER]),  # the well-formed one
+    (Hermes, "<tool_call>{\"name\": \"ping\"}</tool_call>", None, [{"name": "ping", "arguments": {}}]),
+    (Llama3Json, _llama(WEATHER), None, [WEATHER]),
+    (Llama3Json, _llama(WEATHER, SEARCH), None, [WEATHER, SEARCH]),
+    (Llama3Json, "<|python_tag|>" + _llama(SEARCH), None, [SEARCH]),
+    (Llama3Json, "  \n" + json.dumps({"name": "search", "arguments": SEARCH["arguments"]}), None, [SEARCH]),
+    (Llama3Json, "The answer is {x}.", "The answer is {x}.", []),  # not at the start: content
+    (Llama3Json, '{"name": "get_weather", "parameters": {"city": "Pa', None, []),  # cut
+    (Llama3Json, '{"answer": 42}', None, []),  # JSON, not a call
+]
+
+
+@pytest.mark.parametrize(("parser", "output", "content", "calls"), CASES, ids=[str(i) for i in range(len(CASES))])
+def test_parse(parser, output, content, calls):
+    parsed = parser().parse(output)
+    assert _calls(parsed) == [(c["name"], c["arguments"]) for c in calls]
+    assert parsed.content == (content if calls else output)
+    assert all(c.id.startswith("call_") for c in parsed.calls) and len({c.id for c in parsed.calls}) == len(calls)
+
+
+@pytest.mark.parametrize(("parser", "output", "content", "calls"), CASES, ids=[str(i) for i in range(len(CASES))])
+@pytest.mark.parametrize("piece", [1, 3, 17])
+def test_streamed_events_add_up_to_the_message(parser, output, content, calls, piece):
+    stream = ToolCallStream(parser())
+    events = []
+    for end in range(piece, len(output) + piece, piece):
+        events += stream.add(output[:end])
+    tail, message = stream.finish(output)
+    events += tail
+    want = parser().parse(output)
+    assert _calls(message) == _calls(want) and message.content == want.content
+    streamed = "".join(e[1] for e in events if e[0] == "content")
+    assert streamed == (message.content or "")
+    sent = [e[2] for e in events if e[0] == "call"]
+    assert [e[1] for e in events if e[0] == "call"] == list(range(len(sent)))
+    assert [c.id for c in sent] == [c.id for c in message.calls]  # the ids the message says
+
+
+def test_a_call_is_sent_as_soon_as_it_is_complete_and_not_before():
+    stream = ToolCallStream(Hermes())
+    first = _hermes(WEATHER)
+    assert stream.add("Checking. <tool_c") == [("content", "Checking. ")]  # the marker's start is held
+    assert stream.add("Checking. " + first[:-15]) == []  # inside the call
+    (event,) = stream.add("Checking. " + first)
+    assert event[0] == "call" and event[2].name == "get_weather"
+    stream = ToolCallStream(Llama3Json())
+    assert stream.add("  ") == [] and stream.add("  <|python") == []  # could still be calls
+    assert stream.add("  <|python_tag|>" + _llama(WEATHER)[:-1]) == []
+    assert [e[0] for e in stream.add("  <|python_tag|>" + _llama(WEATHER))] == ["call"]
+
+
+def test_the_registry():
+    assert set(PARSERS) == {"hermes", "llama3_json"}
+    for name, parser in PARSERS.items():
+        assert parser.name == name and parser.models
