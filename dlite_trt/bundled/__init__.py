@@ -5,6 +5,9 @@
   recipe by ``build_scripts/train_smollm2_draft.py`` (``smollm2/acceptance.json`` records how
   it was trained and what it measured). `dlite-trt build`, `generate` and `bench` use it when
   given neither --target nor --draft, as does the README's main command.
+- ``templates/smollm2_tools.jinja``: SmolLM2-Instruct's chat template with tools, Hermes-style
+  (``dlite-trt serve --chat-template`` with ``--tool-call-parser hermes``); without tools it
+  renders what SmolLM2's own template renders.
 - The tiny pair (``target/``, ``draft/``): a 0.9 M-parameter Qwen3 target with its BPE
   tokenizer, trained on the Python standard library, and its draft; fast tests use it.
   ``build_scripts/train_bundled_models.py`` reproduces it (``acceptance.json``).
@@ -24,6 +27,14 @@ def _checked(what: str, path: Path, rebuild: str) -> Path:
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise CheckpointError(f"the bundled {what} is missing from {path} (an incomplete install?); reinstall "
                               f"dlite-trt, or rebuild it with {rebuild}")
+    return path
+
+
+def tools_template(name: str = "smollm2_tools") -> Path:
+    """A bundled chat template that takes ``tools`` (``templates/NAME.jinja``)."""
+    path = _HERE / "templates" / f"{name}.jinja"
+    if not path.is_file():
+        raise CheckpointError(f"the bundled chat template {path} is missing (an incomplete install?); reinstall dlite-trt")
     return path
 
 
