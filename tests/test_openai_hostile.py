@@ -310,5 +310,7 @@ def test_requests_generated_from_the_schema_never_get_a_5xx(server, api, tiny_or
             _openai_error(response.status_code, response.json())
 
     one()
-    assert len(seen) >= 15 and (mode == "negative" or 200 in seen), seen
+    # valid completions are mostly answered; valid chat bodies mostly refused on meaning (a tool_call_id
+    # on a user message, deprecated function_call, penalties): the other tests show chats answered
+    assert len(seen) >= 15 and (mode == "negative" or path.endswith("chat/completions") or 200 in seen), seen
     _answers_exactly(server, tiny_oracle)

@@ -304,12 +304,12 @@ def test_chat_errors(server):
             ({"model": MODEL, "messages": []}, "at least 1 item", "messages"),
             ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "messages.0.role"),
             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-             "tool definitions are not supported", "tools"),
+             "tools.0.function: required", "tools.0.function"),
             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
              "greater than or equal to 0", "max_completion_tokens"),
             ({"model": MODEL, "messages": [{"role": "assistant", "content": None,
                                             "tool_calls": [{"id": "1", "type": "function"}]}]},
-             "tool calls", "messages.0")]:
+             "messages.0.tool_calls.0.function: required", "messages.0.tool_calls.0.function")]:
         status, reply = server.post("/v1/chat/completions", body)
         assert status == 400 and fragment in reply["error"]["message"] and reply["error"]["param"] == param, reply
     status, reply = server.post("/v1/nothing", {})

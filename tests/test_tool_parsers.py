@@ -88,6 +88,19 @@ def test_a_call_is_sent_as_soon_as_it_is_complete_and_not_before():
     assert [e[0] for e in stream.add("  <|python_tag|>" + _llama(WEATHER))] == ["call"]
 
 
+@pytest.mark.parametrize("parser", [Hermes, Llama3Json])
+def test_a_forced_opening_continued_is_a_call(parser):
+    """tool_choice required or named: the prompt ends with the parser's opening and the model
+    writes the rest; the opening plus the rest parses as the call."""
+    rest = {Hermes: '{"city": "Paris", "unit": "celsius"}}\n</tool_call>', Llama3Json: '{"city": "Paris", '
+            '"unit": "celsius"}}'}[parser]
+    parsed = parser().parse(parser().opening("get_weather") + rest)
+    assert _calls(parsed) == [("get_weather", WEATHER["arguments"])] and parsed.content is None
+    unnamed = parser().opening(None) + 'get_weather", ' + rest.replace('{"city"', '"arguments": {"city"', 1)
+    assert _calls(parser().parse(unnamed.replace('"arguments"', '"parameters"') if parser is Llama3Json
+                                 else unnamed)) == [("get_weather", WEATHER["arguments"])]
+
+
 def test_the_registry():
     assert set(PARSERS) == {"hermes", "llama3_json"}
     for name, parser in PARSERS.items():

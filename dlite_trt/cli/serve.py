@@ -17,11 +17,12 @@ import click
 
 from dlite_trt.cli.inputs import VERIFY_DRAFTS, check_engine_dir
 from dlite_trt.cli.serve_options import ENGINE, INSTANCES, MAX_BATCH, THREADS
+from dlite_trt.serve.tool_parsers import PARSERS as TOOL_PARSERS
 
 TRITON_ONLY = ("grpc_port", "metrics_port", "instances", "max_batch", "repo")
 OPENAI_ONLY = ("served_model_name", "speculative", "verify_drafts", "kv_cache_gb", "prefix_cache", "max_queue",
                "default_temperature", "max_body_mb", "max_prompt_chars", "max_stops", "max_stop_chars",
-               "shutdown_timeout")
+               "shutdown_timeout", "enable_auto_tool_choice", "tool_call_parser", "chat_template")
 
 
 @click.command("serve")
@@ -55,6 +56,14 @@ OPENAI_ONLY = ("served_model_name", "speculative", "verify_drafts", "kv_cache_gb
               help="Longest stop string (characters). (openai)")
 @click.option("--shutdown-timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.0),
               help="Seconds requests in flight get to finish after Ctrl-C; meanwhile new ones get 503. (openai)")
+@click.option("--tool-call-parser", type=click.Choice(sorted(TOOL_PARSERS)),
+              help="Read tool calls from the output in this format: hermes (Hermes, Qwen2.5/3, the bundled SmolLM2 "
+                   "tools template), llama3_json (Llama 3.x). (openai)")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="Let the model decide whether to call a tool (tool_choice auto); needs --tool-call-parser. (openai)")
+@click.option("--chat-template", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="A Jinja chat template file to use instead of the tokenizer's (e.g. one that renders tools: "
+                   "dlite_trt/bundled/templates/smollm2_tools.jinja for SmolLM2). (openai)")
 @click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535),
               help="Port of the gRPC endpoint. (triton)")
 @click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535),
@@ -79,6 +88,8 @@ def command(ctx: click.Context, engine: Path, frontend: str, host: str, port: in
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise click.UsageError(f"{flags}: not an option of --frontend {frontend}; drop it or pick the other frontend")
+    if options["enable_auto_tool_choice"] and not options["tool_call_parser"]:
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser NAME")
     check_engine_dir(engine)
     from dlite_trt.serve.server import port_free
 
@@ -104,7 +115,7 @@ def _serve_openai(engine: Path, host: str, port: int, threads: int | None, optio
 
     from dlite_trt.engine.load import load_engine
     from dlite_trt.serve.limits import MIB, ServerLimits
-    from dlite_trt.serve.openai_server import DrainingServer, OpenAIFrontend, create_app
+    from dlite_trt.serve.openai_server import DrainingServer, OpenAIFrontend, ToolSettings, create_app
     from dlite_trt.serve.scheduler import Scheduler
 
     loaded = load_engine(engine, threads=threads, preload=("prefill", "step", "decode"),
@@ -116,7 +127,9 @@ def _serve_openai(engine: Path, host: str, port: int, threads: int | None, optio
     limits = ServerLimits(max_body_bytes=int(options["max_body_mb"] * MIB), max_prompt_chars=options["max_prompt_chars"],
                           max_stops=options["max_stops"], max_stop_chars=options["max_stop_chars"],
                           shutdown_timeout=options["shutdown_timeout"])
-    frontend = OpenAIFrontend(loaded, scheduler, name, options["default_temperature"], limits)
+    tools = ToolSettings(options["tool_call_parser"], options["enable_auto_tool_choice"],
+                         options["chat_template"].read_text() if options["chat_template"] else None)
+    frontend = OpenAIFrontend(loaded, scheduler, name, options["default_temperature"], limits, tools)
     # after the drain (DrainingServer), what is still running gets a second to end
     server = DrainingServer(uvicorn.Config(create_app(frontend), host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=1), frontend)

@@ -5,7 +5,9 @@ type (no string-to-number or number-to-bool coercion), an out-of-range value, te
 valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can carry and no tokenizer takes)
 or a field OpenAI's API does not have is a 400 in OpenAI's error shape naming the field. Fields
 OpenAI has but this server does not implement are taken at their no-op values (``n`` = 1,
-penalties 0, ``top_p`` 1, no logprobs, no tools) and refused otherwise, with what to do instead.
+penalties 0, ``top_p`` 1, no logprobs) and refused otherwise, with what to do instead. Tools:
+``tools``, ``tool_choice`` and the history's calls and results are checked against each other here;
+the server (``openai_server.ToolUse``) renders and parses them.
 
 Departures from OpenAI's defaults, on purpose: ``temperature`` defaults to the server's
 --default-temperature (0, greedy: the target's own output, which is what this server is
@@ -17,6 +19,7 @@ draft tokens accepted and proposed, steps.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -125,15 +128,58 @@ class TextPart(BaseModel):
     text: Text
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule for a function's name
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = STRICT
+    name: FunctionName
+    arguments: Text  # a JSON object, as text
+
+
+class ToolCallItem(BaseModel):
+    """A call in an assistant message of the history (as the server returned it)."""
+
+    model_config = STRICT
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[ToolCallItem] | None = None  # an assistant message: the calls it made
     # what clients echo back in an assistant message: taken when empty (null, []), refused otherwise
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
 
@@ -142,14 +188,27 @@ class Message(BaseModel):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates take it (transformers' convention: a call's arguments as an object)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["content"] = self.text() or None
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: NonNegative | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -165,23 +224,61 @@ class ChatCompletionRequest(_Sampling):
             out.append(("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one."))
         if self.logprobs or self.top_logprobs:
             out.append(("logprobs", "logprobs are not supported; use return_token_ids for the output's ids."))
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                out.append((name, "tool definitions are not supported by this server (the chat template is applied "
-                                  "to the messages alone); describe the tools in a system message instead."))
+        if self.functions:
+            out.append(("functions", "functions (deprecated by OpenAI) is not supported; send them as tools."))
         if self.function_call not in (None, "none", "auto"):
-            out.append(("function_call", "function_call is not supported; leave it out."))
+            out.append(("function_call", "function_call (deprecated by OpenAI) is not supported; use tool_choice."))
         if self.modalities not in (None, ["text"]):
             out.append(("modalities", "only text output is supported."))
         for i, m in enumerate(self.messages):
-            if m.tool_calls or m.function_call or m.audio:
-                out.append((f"messages.{i}", "messages with tool calls, function calls or audio are not supported; "
-                                             "send their content as text."))
-        if self.tool_choice not in (None, "none", "auto"):
-            out.append(("tool_choice", "tool_choice is not supported; leave it out."))
+            if m.function_call or m.audio:
+                out.append((f"messages.{i}", "messages with function calls (deprecated by OpenAI: use tool_calls) or "
+                                             "audio are not supported; send their content as text."))
+        out += self._tool_errors()
         if self.response_format not in (None, {"type": "text"}):
             out.append(("response_format", "response_format other than text is not supported."))
         return out
+
+    def _tool_errors(self) -> list[tuple[str, str]]:
+        """Tools, tool_choice and the calls and results of the history, consistent with each other."""
+        out, names = [], [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            out.append(("tools", f"two tools share a name ({sorted(n for n in names if names.count(n) > 1)[0]!r}); "
+                                 "give each its own."))
+        if self.tool_choice not in (None, "none") and not names:
+            out.append(("tool_choice", f"tool_choice {self.chosen!r} needs tools; send tools or leave it out."))
+        elif isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            out.append(("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not among the "
+                                       f"tools ({', '.join(names)})."))
+        calls: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                out.append((f"messages.{i}.tool_calls", "only an assistant message has tool_calls."))
+            for j, call in enumerate(m.tool_calls or ()):
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError:
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    out.append((f"messages.{i}.tool_calls.{j}.function.arguments",
+                                "a call's arguments must be a JSON object, as text."))
+                calls.add(call.id)
+            if m.role == "tool":
+                if m.tool_call_id is None:
+                    out.append((f"messages.{i}.tool_call_id", "a tool message needs the tool_call_id of the call it "
+                                                              "answers."))
+                elif m.tool_call_id not in calls:
+                    out.append((f"messages.{i}.tool_call_id", f"no earlier assistant message made a call with id "
+                                                              f"{m.tool_call_id!r}."))
+            elif m.tool_call_id is not None:
+                out.append((f"messages.{i}.tool_call_id", "only a tool message has a tool_call_id."))
+        return out
+
+    @property
+    def chosen(self) -> str | None:
+        """tool_choice as one word ("none", "auto", "required"), or the named function's name."""
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else choice
 
     @property
     def token_limit(self) -> int | None:

@@ -7,6 +7,9 @@ through an asyncio queue. Text is cut at the first stop string (``ReplyText``: s
 always add up to the final text); a stop string or a client that went away (streamed or not,
 running or still queued) cancels the row, which leaves the batch at the next step.
 
+Tools (``ToolUse``, ``serve.tool_parsers``): rendered by the chat template, read back from the
+output by --tool-call-parser, streamed as OpenAI's tool-call deltas.
+
 Hostile input (``serve.limits``): a body over --max-body-mb is a 413 before it is read; text,
 ids, types and stop strings are checked before anything expensive; the chat template and the
 tokenizer run off the event loop, so /health and other clients are served meanwhile. Every
@@ -22,6 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -44,9 +48,36 @@ from dlite_trt.serve.openai_protocol import (
     validation_message,
 )
 from dlite_trt.serve.scheduler import QueueFull, Scheduler
+from dlite_trt.serve.tool_parsers import PARSERS, Parsed, ToolCallStream, ToolParser
 
 FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length"}
 RETRY_AFTER_S = 1  # what a 503 tells clients to wait
+
+
+@dataclass(frozen=True)
+class ToolSettings:
+    """How the server takes ``tools`` (vLLM's flags): ``parser`` (--tool-call-parser: a name in
+    ``tool_parsers.PARSERS``) reads calls from the output, ``auto`` (--enable-auto-tool-choice) lets
+    the model decide (tool_choice auto), ``chat_template`` (--chat-template: its text) renders the
+    tools where the tokenizer's own template does not."""
+
+    parser: str | None = None
+    auto: bool = False
+    chat_template: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """One request's tools: the parser, and the call opening appended to its prompt (tool_choice
+    required or a named function; "" for auto), which its output continues."""
+
+    parser: ToolParser
+    opening: str
+    single: bool  # parallel_tool_calls false: the first call only
+
+    def message(self, text: str) -> Parsed:
+        parsed = self.parser.parse(self.opening + text)
+        return Parsed(parsed.content, parsed.calls[:1]) if self.single else parsed
 
 
 class ErrorJSON(JSONResponse):
@@ -61,8 +92,11 @@ class OpenAIFrontend:
     """The app's state: the scheduler, the tokenizer and the model's name."""
 
     def __init__(self, loaded: Any, scheduler: Scheduler, model_name: str, default_temperature: float = 0.0,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, tools: ToolSettings | None = None) -> None:
         self.scheduler, self.tokenizer, self.model_name = scheduler, loaded.tokenizer, model_name
+        self.tools = tools or ToolSettings()
+        self.parser = PARSERS[self.tools.parser]() if self.tools.parser else None
+        self.chat_template = self.tools.chat_template or getattr(self.tokenizer, "chat_template", None)
         self.engine_stops = tuple(loaded.stop_token_ids)
         self.default_temperature = default_temperature
         self.max_seq_len = scheduler.limits.max_seq_len
@@ -99,6 +133,8 @@ class OpenAIFrontend:
             raise ApiError(400, f"the prompt is {chars:,} characters, more than the engine can ever take "
                                 f"({self.max_prompt_chars:,}: --max-seq-len {self.max_seq_len} tokens, or dlite-trt "
                                 "serve --max-prompt-chars); shorten it.", param="messages" if chat else "prompt")
+        if chat:
+            self.tool_use(body)  # refuses tools this server cannot take
         if not chat and isinstance(body.prompt, list) and len(body.prompt) > self.max_seq_len:
             raise ApiError(400, f"the prompt is {len(body.prompt)} tokens, and the engine allows {self.max_seq_len} "
                                 "(--max-seq-len) with the output; shorten it.", param="prompt")
@@ -107,17 +143,43 @@ class OpenAIFrontend:
         return "" if self.tokenizer is None else self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     # -- requests -> token ids and sampling parameters ---------------------------------------
+    def tool_use(self, body: ChatCompletionRequest) -> ToolUse | None:
+        """The request's tools as this server runs them (None: no tools, or tool_choice none), or a 400
+        saying which flag of `dlite-trt serve` they need."""
+        if not body.tools or body.chosen == "none":
+            return None
+        if self.parser is None:
+            raise ApiError(400, "this server reads no tool calls: start it with --tool-call-parser NAME (" +
+                                ", ".join(f"{n}: {p.models}" for n, p in PARSERS.items()) +
+                                ") and --enable-auto-tool-choice, or send tool_choice none.", param="tools")
+        if body.chosen in (None, "auto") and not self.tools.auto:
+            raise ApiError(400, "tool_choice auto (the default with tools) needs `dlite-trt serve "
+                                "--enable-auto-tool-choice`; or send tool_choice required or a named function.",
+                           param="tool_choice")
+        if not self.chat_template or "tools" not in self.chat_template:
+            raise ApiError(400, "this engine's chat template does not render tools: start the server with "
+                                "--chat-template FILE (for SmolLM2: the bundled "
+                                "dlite_trt/bundled/templates/smollm2_tools.jinja).", param="tools")
+        forced = body.chosen not in (None, "auto")
+        return ToolUse(self.parser, self.parser.opening(None if body.chosen == "required" else body.chosen)
+                       if forced else "", body.parallel_tool_calls is False)
+
     def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
-            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            if self.tokenizer is None or not self.chat_template:
                 raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions with the "
-                                    "prompt formatted yourself.", param="messages")
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                                    "prompt formatted yourself, or start the server with --chat-template FILE.",
+                               param="messages")
+            use = self.tool_use(body)
+            kwargs = {"chat_template": self.chat_template}
+            if use is not None:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
             try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=False)
+                text = self.tokenizer.apply_chat_template([m.for_template() for m in body.messages],
+                                                          add_generation_prompt=True, tokenize=False, **kwargs)
             except Exception as exc:  # noqa: BLE001 - the template's own error (jinja raise_exception) is the reason
                 raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
+            ids = self.tokenizer.encode(text + (use.opening if use else ""), add_special_tokens=False)
             return [int(t) for t in ids]
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -289,7 +351,8 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": frontend.model_name}
-        run = _Run(handle, updates, text, prompt, head, chat, body.return_token_ids)
+        run = _Run(handle, updates, text, prompt, head, chat, body.return_token_ids,
+                   frontend.tool_use(body) if chat else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _RowStream(_stream(run, include_usage), frontend, handle)
@@ -304,8 +367,18 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
         if reason is None:  # the client went away: nobody reads this
             return Response(status_code=499)
         reply = text.reply
-        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS[reason], "logprobs": None}
-        choice |= {"message": {"role": "assistant", "content": reply.text}} if chat else {"text": reply.text}
+        finish = FINISH_REASONS[reason]
+        if run.tools is None:
+            choice: dict[str, Any] = {"message": {"role": "assistant", "content": reply.text}} if chat else \
+                {"text": reply.text}
+        else:
+            parsed = run.tools.message(reply.text)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if parsed.calls:
+                message["tool_calls"] = [c.message() for c in parsed.calls]
+                finish = "tool_calls" if finish == "stop" else finish
+            choice = {"message": message}
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None, **choice}
         if run.token_ids:
             choice["token_ids"] = reply.output_ids
         out = {**head, "choices": [choice], "usage": _usage(prompt, reply, handle.cached_tokens),
@@ -321,9 +394,9 @@ class _Run:
     """One request in flight: its row's handle and updates, its reply text, what its chunks carry."""
 
     def __init__(self, handle: Any, updates: asyncio.Queue, text: ReplyText, prompt: list[int], head: dict,
-                 chat: bool, token_ids: bool) -> None:
+                 chat: bool, token_ids: bool, tools: ToolUse | None = None) -> None:
         self.handle, self.updates, self.text, self.prompt = handle, updates, text, prompt
-        self.head, self.chat, self.token_ids = head, chat, token_ids
+        self.head, self.chat, self.token_ids, self.tools = head, chat, token_ids, tools
 
 
 async def _until_disconnected(request: Request, run: _Run) -> None:
@@ -381,10 +454,11 @@ async def _stream(run: _Run, include_usage: bool) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if run.chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(delta_text: str | None, ids: list[int], finish: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(delta_text: str | None, ids: list[int], finish: str | None, role: bool = False,
+              delta: dict | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if run.chat:
-            delta = {"role": "assistant"} if role else {}
+            delta = dict(delta or {}) | ({"role": "assistant"} if role else {})
             if delta_text is not None:
                 delta["content"] = delta_text
             choice["delta"] = delta
@@ -394,6 +468,23 @@ async def _stream(run: _Run, include_usage: bool) -> AsyncIterator[str]:
             choice["token_ids"] = ids
         return {**run.head, "object": kind, "choices": [choice], **extra}
 
+    calls = None if run.tools is None else ToolCallStream(run.tools.parser)
+
+    def tool_chunks(events: list[tuple], ids: list[int]) -> list[str]:
+        """A piece through the tool parser: its content and completed calls as deltas (the ids on the first)."""
+        deltas = []
+        for event in events:
+            if event[0] == "content":
+                deltas.append({"content": event[1]})
+            elif not (run.tools.single and event[1] > 0):
+                _, index, call = event
+                deltas += [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]},
+                           {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+        if not deltas and ids and run.token_ids:
+            deltas = [{}]
+        return [_sse(chunk(None, ids if i == 0 else [], None, delta=d)) for i, d in enumerate(deltas)]
+
     try:
         if run.chat:
             yield _sse(chunk("", [], None, role=True))
@@ -401,14 +492,25 @@ async def _stream(run: _Run, include_usage: bool) -> AsyncIterator[str]:
         try:
             async for (delta, ids), reason in _events(run):
                 if reason is None and (delta or ids):
-                    yield _sse(chunk(delta, ids, None))
+                    if calls is None:
+                        yield _sse(chunk(delta, ids, None))
+                    else:
+                        for event in tool_chunks(calls.add(run.tools.opening + run.text.reply.text), ids):
+                            yield event
         except ApiError as exc:
             yield _sse(exc.body())
             yield _sse("[DONE]")
             return
         if reason is None:
             return
-        final = chunk(None if run.chat else "", [], FINISH_REASONS[reason])
+        finish = FINISH_REASONS[reason]
+        if calls is not None:
+            events, parsed = calls.finish(run.tools.opening + run.text.reply.text)
+            for event in tool_chunks(events, []):
+                yield event
+            if parsed.calls and finish == "stop":
+                finish = "tool_calls"
+        final = chunk(None if run.chat else "", [], finish)
         final["speculative"] = _speculative(run.text.reply)
         yield _sse(final)
         if include_usage:

@@ -71,6 +71,12 @@ class ToolParser:
     def may_begin(self, text: str) -> int:
         raise NotImplementedError
 
+    def opening(self, name: str | None) -> str:
+        """What a call begins with, up to its arguments when ``name`` is given (``tool_choice``
+        required or a named function: the server appends it to the prompt, so the output is a call's
+        continuation)."""
+        raise NotImplementedError
+
     def parse(self, text: str) -> Parsed:
         start = self.calls_start(text)
         if start is None:
@@ -111,6 +117,9 @@ class Hermes(ToolParser):
     def may_begin(self, text: str) -> int:
         return max((k for k in range(1, len(self.OPEN)) if text.endswith(self.OPEN[:k])), default=0)
 
+    def opening(self, name: str | None) -> str:
+        return self.OPEN + '\n{"name": "' + ("" if name is None else name + '", "arguments": ')
+
 
 class Llama3Json(ToolParser):
     name = "llama3_json"
@@ -148,6 +157,9 @@ class Llama3Json(ToolParser):
         stripped = text.lstrip()
         return len(text) if self.TAG.startswith(stripped) or stripped.startswith(self.TAG) and \
             not stripped[len(self.TAG):].strip() else 0
+
+    def opening(self, name: str | None) -> str:
+        return '{"name": "' + ("" if name is None else name + '", "parameters": ')
 
 
 def content_around(text: str, start: int, rest: int) -> str | None:
