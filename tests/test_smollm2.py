@@ -174,3 +174,42 @@ def test_the_draft_training_script_runs_end_to_end(tmp_path, gguf_path):
     other = subprocess.run([*command, "--out", str(tmp_path / "other"), "--until", "corpus", "--seed", "1"],
                            capture_output=True, text=True, timeout=300)
     assert other.returncode == 1 and "other settings" in other.stderr
+
+
+def test_tools_through_the_bundled_template(built, smollm2_from_gguf, gguf_path):
+    """The default target takes tools through --chat-template (its own template renders none): the
+    server renders the request with the bundled tools template and the named call's opening, and
+    answers with the target's greedy continuation of exactly that prompt, as a call when the model
+    completes one and as content otherwise."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from dlite_trt.bundled import tools_template
+    from dlite_trt.serve.openai_process import OpenAIServerProcess
+    from dlite_trt.serve.tool_parsers import Hermes
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}, "required": ["city"]}}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    opening = Hermes().opening("get_weather")
+    text = tok.apply_chat_template(messages, tools=tools, chat_template=tools_template().read_text(),
+                                   add_generation_prompt=True, tokenize=False) + opening
+    prompt = tok.encode(text, add_special_tokens=False)
+    with OpenAIServerProcess(built[1], "--chat-template", str(tools_template()), "--tool-call-parser", "hermes",
+                             model="smollm2", threads=2) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        r = client.chat.completions.create(model="smollm2", messages=messages, tools=tools, max_tokens=24,
+                                           temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True},
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.model_extra["prompt_token_ids"] == prompt
+    ids = r.choices[0].model_extra["token_ids"]
+    want = smollm2_from_gguf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                      max_new_tokens=len(ids), min_new_tokens=len(ids), do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+    assert ids == want.tolist()
+    parsed = Hermes().parse(opening + tok.decode(ids, skip_special_tokens=True))
+    message = r.choices[0].message
+    assert [(c.name, c.arguments) for c in parsed.calls] == [(c.function.name, c.function.arguments)
+                                                             for c in message.tool_calls or []]
