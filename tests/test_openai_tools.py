@@ -204,3 +204,25 @@ def test_a_server_without_a_parser_says_which_flags(scripted):
         status, reply = plain.post("/v1/chat/completions", {"model": MODEL, "messages": ASK, "tools": TOOLS,
                                                             "tool_choice": "none", "max_tokens": 12})
         assert status == 200 and reply["choices"][0]["message"]["content"].startswith("<tool_call>")
+
+
+def test_bench_serve_replays_a_tool_using_agent(scripted, tmp_path):
+    """`dlite-trt bench-serve --tools` on the scripted target: every request is answered with a
+    call, so each instruction runs CALLS_PER_ASK calls and then an answer asked for with
+    tool_choice none; DLite and target-only give the same tokens, and later requests reuse the
+    conversation's prefix."""
+    from click.testing import CliRunner
+
+    from dlite_trt.bench.serve_replay import CALLS_PER_ASK
+    from dlite_trt.cli import main
+
+    result = CliRunner().invoke(main, ["bench-serve", "--engine", str(scripted[0]), "--tools", "--sessions", "1",
+                                       "--turns", "2", "--concurrency", "1", "--speculative", "dlite,none",
+                                       "--reuse", "on", "--threads", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["workload"] == "tool-using agent" and report["greedy_mismatches"] == 0
+    turns = report["configs"]["dlite/reuse"]["by_concurrency"]["1"]["turns"]
+    assert len(turns) == 2 * (CALLS_PER_ASK + 1) == report["turns"]
+    assert all(t["cached_tokens"] > 0 for t in turns[1:]) and turns[-1]["prompt_tokens"] > turns[0]["prompt_tokens"]
+    assert set(report["configs"]) == {"dlite/reuse", "none/reuse"}

@@ -69,6 +69,97 @@ def _turn(client: Any, model: str, context: list[int], max_tokens: int) -> tuple
     return ids, final, ttft or 0.0, time.perf_counter() - started
 
 
+def _chat_turn(client: Any, model: str, messages: list[dict], max_tokens: int, tool_choice: str) -> tuple[
+        list[int], str, list[dict], dict, float, float]:
+    """One streamed chat turn with the agent's tools: (output ids, content, tool calls as the
+    assistant message holds them, final speculative figures + usage, ttft, seconds)."""
+    from dlite_trt.bench.workloads import AGENT_TOOLS
+
+    started = time.perf_counter()
+    ttft, ids, content, calls, final = None, [], "", {}, {}
+    stream = client.chat.completions.create(model=model, messages=messages, tools=list(AGENT_TOOLS),
+                                            tool_choice=tool_choice, max_tokens=max_tokens, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True})
+    for chunk in stream:
+        data = chunk.model_dump()
+        for choice in data["choices"]:
+            new = choice.get("token_ids") or []
+            if new and ttft is None:
+                ttft = time.perf_counter() - started
+            ids += new
+            delta = choice["delta"] or {}
+            content += delta.get("content") or ""
+            for part in delta.get("tool_calls") or ():
+                call = calls.setdefault(part["index"], {"id": None, "type": "function",
+                                                        "function": {"name": "", "arguments": ""}})
+                call["id"] = part.get("id") or call["id"]
+                fn = part.get("function") or {}
+                call["function"]["name"] += fn.get("name") or ""
+                call["function"]["arguments"] += fn.get("arguments") or ""
+        if data.get("speculative"):
+            final["speculative"] = data["speculative"]
+        if data.get("usage"):
+            final["usage"] = data["usage"]
+    return ids, content, [calls[i] for i in sorted(calls)], final, ttft or 0.0, time.perf_counter() - started
+
+
+CALLS_PER_ASK = 3  # then the agent asks for an answer (tool_choice none)
+
+
+def replay_tools(client: Any, model: str, sessions: Sequence[Any], concurrency: int,
+                 max_tokens: int = 48) -> tuple[list[TurnRecord], float, int]:
+    """Tool-using agent sessions (``workloads.ToolSession``), ``concurrency`` clients at once: each
+    request sends the whole conversation so far with the tools; the model's calls are run
+    (``run_tool``) and their results sent back, up to CALLS_PER_ASK calls per user instruction,
+    then its answer is asked for and the next instruction follows. One record per request; a
+    session ends early where its conversation outgrows the engine (a real agent would compact
+    it there): the records, the wall time and how many sessions ended so."""
+    import openai
+
+    records: list[TurnRecord] = []
+    lock = threading.Lock()
+    outgrown = [0]
+
+    def client_run(c: int) -> None:
+        for session in sessions[c::concurrency]:
+            try:
+                run_session(session)
+            except openai.BadRequestError as exc:
+                if "--max-seq-len" not in str(exc):
+                    raise
+                with lock:
+                    outgrown[0] += 1
+
+    def run_session(session: Any) -> None:
+        messages: list[dict] = []
+        request = 0
+        for ask in session.instructions:
+            messages.append({"role": "user", "content": ask})
+            for n in range(CALLS_PER_ASK + 1):
+                ids, content, calls, final, ttft, seconds = _chat_turn(
+                    client, model, messages, max_tokens, "auto" if n < CALLS_PER_ASK else "none")
+                spec, usage = final["speculative"], final["usage"]
+                with lock:
+                    records.append(TurnRecord(session.task_id, request, usage["prompt_tokens"],
+                                              usage["prompt_tokens_details"]["cached_tokens"], len(ids), ttft,
+                                              seconds, spec["steps"], spec["accepted_draft_tokens"],
+                                              spec["proposed_draft_tokens"], ids))
+                request += 1
+                messages.append({"role": "assistant", "content": content or None,
+                                 **({"tool_calls": calls} if calls else {})})
+                if not calls:
+                    break
+                for call in calls:
+                    messages.append({"role": "tool", "tool_call_id": call["id"], "content": session.run_tool(
+                        call["function"]["name"], call["function"]["arguments"], request)})
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(client_run, range(concurrency)))
+    return records, time.perf_counter() - started, outgrown[0]
+
+
 def fitted(sessions: Sequence[Task], tokenizer: Any, max_seq_len: int) -> tuple[list[Task], int]:
     """The sessions cut before the first turn whose context and answer would pass the engine's
     --max-seq-len (a real agent would compact its context there); and how many turns were cut."""
@@ -162,17 +253,30 @@ def summarize(records: list[TurnRecord], wall: float) -> dict[str, Any]:
     }
 
 
-def run(engine: Path, sessions: Sequence[Task], *, methods: Sequence[str], reuse: Sequence[bool],
+def run(engine: Path, sessions: Sequence[Any], *, methods: Sequence[str], reuse: Sequence[bool],
         concurrency: Sequence[int], threads: int | None, kv_cache_gb: float, log: Any = print) -> dict[str, Any]:
-    """The whole matrix; the report (JSON-able)."""
+    """The whole matrix; the report (JSON-able). ``sessions``: ``Task``s (completions of token
+    ids), or ``workloads.ToolSession``s (a tool-using agent through chat with tools: the server
+    runs with --tool-call-parser hermes --enable-auto-tool-choice, and the bundled tools
+    template where the engine's own template takes no tools)."""
     import openai
 
+    from dlite_trt.bundled import tools_template
     from dlite_trt.engine.load import load_engine
     from dlite_trt.serve.openai_process import OpenAIServerProcess
+    from dlite_trt.bench.workloads import ToolSession
 
     loaded = load_engine(engine, threads=threads, preload=("prefill", "step"))
     tokenizer = loaded.tokenizer
-    sessions, cut = fitted(sessions, tokenizer, loaded.generator.manifest.limits.max_seq_len)
+    tools = bool(sessions) and isinstance(sessions[0], ToolSession)
+    tool_args = []
+    if tools:
+        tool_args = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+        if "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
+            tool_args += ["--chat-template", str(tools_template())]
+        cut = 0
+    else:
+        sessions, cut = fitted(sessions, tokenizer, loaded.generator.manifest.limits.max_seq_len)
     if not sessions:
         raise DLiteError(f"no session's first turn fits the engine's --max-seq-len "
                          f"{loaded.generator.manifest.limits.max_seq_len}; rebuild it with a larger one.")
@@ -183,17 +287,21 @@ def run(engine: Path, sessions: Sequence[Task], *, methods: Sequence[str], reuse
         for on in reuse:
             name = f"{method}/{'reuse' if on else 'no-reuse'}"
             args = ["--speculative", method, "--kv-cache-gb", str(kv_cache_gb),
-                    *([] if on else ["--no-prefix-cache"])]
+                    *([] if on else ["--no-prefix-cache"]), *tool_args]
             configs[name] = {"speculative": method, "prefix_reuse": on, "by_concurrency": {}}
             for c in concurrency:  # a fresh server each time: nothing kept from the previous replay
                 with OpenAIServerProcess(engine, *args, model="bench", threads=threads) as server:
                     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                            timeout=3600)
-                    records, wall = replay(client, "bench", sessions, tokenizer, c)
+                    if tools:
+                        records, wall, outgrown = replay_tools(client, "bench", sessions, c)
+                        cut = max(cut, outgrown)
+                    else:
+                        records, wall = replay(client, "bench", sessions, tokenizer, c)
                     got = {(r.session, r.turn): r.output_ids for r in records}
                     if reference is None:
                         reference = got
-                    mismatches += sum(got[key] != reference[key] for key in reference)
+                    mismatches += sum(got.get(key) != reference[key] for key in reference)
                     summary = summarize(records, wall)
                     configs[name]["by_concurrency"][str(c)] = summary | {
                         "turns": [{k: v for k, v in asdict(r).items() if k != "output_ids"} for r in records]}
@@ -201,10 +309,11 @@ def run(engine: Path, sessions: Sequence[Task], *, methods: Sequence[str], reuse
                         f"{summary['ttft_p50_s']:.3f}s  hit {summary['prefix_cache_hit_rate']:.2f}  "
                         f"AL {summary['mean_acceptance_length']}")
     report: dict[str, Any] = {"schema": SCHEMA, "engine": str(engine), "sessions": len(sessions),
-                              "turns": sum(len(t.turns) for t in sessions), "turns_cut_to_fit_the_engine": cut,
+                              "workload": "tool-using agent" if tools else "agentic",
+                              "turns": len(reference or {}), "turns_cut_to_fit_the_engine": cut,
                               "concurrency": list(concurrency), "configs": configs,
                               "greedy_mismatches": mismatches}
-    if "dlite" in methods and True in reuse and 1 in concurrency:
+    if "dlite" in methods and True in reuse and 1 in concurrency and not tools:
         outputs, wall = direct(loaded.generator, sessions, tokenizer)
         served = configs["dlite/reuse"]["by_concurrency"]["1"]
         direct_tps = sum(len(o) for o in outputs.values()) / wall
@@ -244,7 +353,8 @@ def write_plot(report: dict[str, Any], path: Path) -> Path:
 def print_table(report: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    table = Table(title=f"agentic replay: {report['sessions']} sessions, {report['turns']} turns")
+    table = Table(title=f"{report.get('workload', 'agentic')} replay: {report['sessions']} sessions, "
+                        f"{report['turns']} requests")
     for col in ("config", "clients", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "hit rate", "reused", "AL"):
         table.add_column(col, justify="right")
     for name, config in report["configs"].items():

@@ -175,6 +175,60 @@ def agentic(files: Sequence[SourceFile], *, seed: int, sessions: int = 4, turns:
     return tasks
 
 
+# The tool-using agent replay's tools (bench/serve_replay.py), as an agent declares them.
+AGENT_TOOLS = (
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
+                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                     "required": ["path"]}}},
+    {"type": "function", "function": {"name": "grep", "description": "Search the repository for a word.",
+                                      "parameters": {"type": "object", "properties": {"pattern": {"type": "string"}},
+                                                     "required": ["pattern"]}}},
+    {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite.",
+                                      "parameters": {"type": "object", "properties": {}}}},
+)
+
+
+@dataclass(frozen=True)
+class ToolSession:
+    """A tool-using agent's session: a repository and one instruction per user turn."""
+
+    task_id: str
+    repo: tuple[SourceFile, ...]
+    instructions: tuple[str, ...]
+    seed: int
+
+    def run_tool(self, name: str, arguments: str, calls_so_far: int) -> str:
+        """What the agent's tool returns for a call (the model's own arguments), deterministically:
+        the file it names (or one of the repository's), grep over it, a test log."""
+        rng = random.Random(f"{self.seed}/{calls_so_far}/{name}/{arguments}")
+        try:
+            args = json.loads(arguments)
+        except ValueError:
+            args = {}
+        args = args if isinstance(args, dict) else {}
+        if name == "read_file":
+            named = [f for f in self.repo if f.name == args.get("path")]
+            return _cat(rng, named or self.repo)
+        if name == "grep":
+            return _grep(rng, self.repo)
+        if name == "run_tests":
+            return _test_log(rng, self.repo)
+        return f"error: no tool named {name!r}; the tools are " + ", ".join(t["function"]["name"] for t in AGENT_TOOLS)
+
+
+def tool_agentic(files: Sequence[SourceFile], *, seed: int, sessions: int = 4, turns: int = 3) -> list[ToolSession]:
+    """Tool-using agent sessions: a user instruction per turn over a 4-file repository; the model
+    calls the tools (AGENT_TOOLS) and their results go back until it answers."""
+    rng = random.Random(seed)
+    out = []
+    for s in range(sessions):
+        repo = tuple(rng.sample(list(files), k=min(4, len(files))))
+        asks = tuple(f"In the repository ({', '.join(f.name for f in repo)}): {_instruction(rng, repo)}"
+                     for _ in range(turns))
+        out.append(ToolSession(f"tools-{s}", repo, asks, seed * 1000 + s))
+    return out
+
+
 def long_context(files: Sequence[SourceFile], tokenizer: Any, *, seed: int,
                  lengths: Sequence[int] = LONG_CONTEXT_TOKENS,
                  answer_tokens: tuple[int, int] = LONG_CONTEXT_ANSWER_TOKENS) -> list[Task]:

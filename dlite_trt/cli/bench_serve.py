@@ -31,6 +31,8 @@ def _list(value: str, option: str, allowed: tuple[str, ...] | None = None) -> tu
 @click.option("--speculative", "methods", default="dlite,dlite-ngram,ngram,none", show_default=True,
               help="Server drafting methods, comma-separated.")
 @click.option("--reuse", default="on,off", show_default=True, help="Prefix reuse settings, comma-separated.")
+@click.option("--tools", is_flag=True, help="The tool-using agent replay: chat requests with tools (read_file, grep, "
+                                          "run_tests), the model's calls run and their results sent back.")
 @click.option("--quick", is_flag=True, help="4 sessions of 3 turns at concurrency 1 and 4, dlite and none.")
 @click.option("--kv-cache-gb", default=4.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
               help="Each server's --kv-cache-gb.")
@@ -39,7 +41,7 @@ def _list(value: str, option: str, allowed: tuple[str, ...] | None = None) -> tu
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("bench-serve"),
               show_default=True, help="report.json and ttft_by_turn.png go here.")
 def command(engine: Path, dataset: Path | None, sessions: int | None, turns: int | None, concurrency: str,
-            methods: str, reuse: str, quick: bool, kv_cache_gb: float, threads: int | None, seed: int,
+            methods: str, reuse: str, tools: bool, quick: bool, kv_cache_gb: float, threads: int | None, seed: int,
             out: Path) -> None:
     """Replay multi-turn agent sessions as concurrent OpenAI clients, each turn sending the whole
     context so far; per-turn TTFT, TPOT, tokens/s, prefix-cache hits and acceptance, for each
@@ -48,7 +50,7 @@ def command(engine: Path, dataset: Path | None, sessions: int | None, turns: int
     from rich.console import Console
 
     from dlite_trt.bench.serve_replay import print_table, run, write_plot
-    from dlite_trt.bench.workloads import agentic, read_jsonl, source_files
+    from dlite_trt.bench.workloads import agentic, read_jsonl, source_files, tool_agentic
 
     if quick:
         concurrency, methods, reuse = "1,4", "dlite,none", "on,off"
@@ -58,7 +60,11 @@ def command(engine: Path, dataset: Path | None, sessions: int | None, turns: int
         raise click.BadParameter(f"expected integers >= 1, got {concurrency!r}", param_hint="--concurrency")
     chosen = _list(methods, "--speculative", ("dlite", "dlite-ngram", "ngram", "none"))
     settings = tuple(v == "on" for v in _list(reuse, "--reuse", ("on", "off")))
-    if dataset is not None:
+    if tools and dataset is not None:
+        raise click.UsageError("--tools replays generated tool-using sessions; drop --dataset or --tools")
+    if tools:
+        tasks = tool_agentic(source_files(), seed=seed, sessions=sessions or max(levels), turns=turns or 3)
+    elif dataset is not None:
         tasks = read_jsonl(dataset)
     else:
         tasks = agentic(source_files(), seed=seed, sessions=sessions or max(levels), turns=turns or 5)
