@@ -118,6 +118,9 @@ def test_impossible_step_times_and_noisy_rounds_are_not_judged():
     g = _workload_goals({"ar": ar, "dlite": [0.05, 0.06, 0.07, 0.08, 0.09, 0.11]}, {"ar": 1, "dlite": 3})
     assert g["noise"]["dlite"]["round_spread"] > abs(g["targets"]["dlite"]["over_ar"]["ratio"] / 2.0 - 1)
     assert g["targets"]["dlite"]["over_ar"]["met"] is None
+    # clean but only two rounds: too few to tell noise
+    g = _workload_goals({"ar": ar[:2], "dlite": [0.065] * 2}, {"ar": 1, "dlite": 3})
+    assert g["targets"]["dlite"]["over_ar"]["met"] is None and "too few" in g["noise"]["dlite"]["summary"]
 
 
 def test_speedups_and_host_draft_share():

@@ -139,6 +139,12 @@ def test_a_streamed_call_is_reassembled_by_the_client(server):
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    # the agent loop as the openai client's docs write it: the message object itself goes back
+    # (with the fields the helper adds: parsed, parsed_arguments, annotations)
+    r = server.client.chat.completions.create(
+        model=MODEL, tools=TOOLS, max_tokens=12, temperature=0,
+        messages=[*ASK, choice.message, {"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
+    assert r.choices[0].message.tool_calls and r.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_the_result_continues_the_conversation_reusing_the_prefix(server, scripted):
@@ -158,9 +164,13 @@ def test_the_result_continues_the_conversation_reusing_the_prefix(server, script
     assert [(c.function.name, c.function.arguments) for c in got.tool_calls] == [("get_weather", '{"city": "Paris"}')]
 
 
-def test_tool_choice_none_gives_content_only(server):
+def test_tool_choice_none_gives_content_only(server, scripted):
+    """The tools stay in the prompt (as OpenAI keeps them visible); the output is not parsed."""
+    _, tok, _ = scripted
     r = server.client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
-                                              max_tokens=12, temperature=0)
+                                              max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+    rendered = tok.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert r.model_extra["prompt_token_ids"] == tok.encode(rendered, add_special_tokens=False)
     message = r.choices[0].message
     assert not message.tool_calls and r.choices[0].finish_reason == "stop"
     assert message.content == "<tool_call>" + "".join(CALL) + "</tool_call>"  # the text, unparsed
@@ -190,6 +200,8 @@ def test_tool_choice_required_forces_the_call(server, scripted):
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "get_weather", "arguments": "[1, 2]"}}]}]}, "messages.1.tool_calls.0.function.arguments",
      "JSON object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"description": "\ud800"}}}]},
+     "tools", "lone surrogate"),
 ])
 def test_malformed_tools_requests_are_openai_400s(server, body, param, fragment):
     status, reply = server.post("/v1/chat/completions", {"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
@@ -208,7 +220,7 @@ def test_a_server_without_a_parser_says_which_flags(scripted):
 
 def test_bench_serve_replays_a_tool_using_agent(scripted, tmp_path):
     """`dlite-trt bench-serve --tools` on the scripted target: every request is answered with a
-    call, so each instruction runs CALLS_PER_ASK calls and then an answer asked for with
+    call, so the instruction runs CALLS_PER_ASK calls and then an answer asked for with
     tool_choice none; DLite and target-only give the same tokens, and later requests reuse the
     conversation's prefix."""
     from click.testing import CliRunner
@@ -217,12 +229,12 @@ def test_bench_serve_replays_a_tool_using_agent(scripted, tmp_path):
     from dlite_trt.cli import main
 
     result = CliRunner().invoke(main, ["bench-serve", "--engine", str(scripted[0]), "--tools", "--sessions", "1",
-                                       "--turns", "2", "--concurrency", "1", "--speculative", "dlite,none",
+                                       "--turns", "1", "--concurrency", "1", "--speculative", "dlite,none",
                                        "--reuse", "on", "--threads", "1", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output + repr(result.exception)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["workload"] == "tool-using agent" and report["greedy_mismatches"] == 0
     turns = report["configs"]["dlite/reuse"]["by_concurrency"]["1"]["turns"]
-    assert len(turns) == 2 * (CALLS_PER_ASK + 1) == report["turns"]
+    assert len(turns) == CALLS_PER_ASK + 1 == report["turns"] and report["turns_cut_to_fit_the_engine"] == 0
     assert all(t["cached_tokens"] > 0 for t in turns[1:]) and turns[-1]["prompt_tokens"] > turns[0]["prompt_tokens"]
     assert set(report["configs"]) == {"dlite/reuse", "none/reuse"}

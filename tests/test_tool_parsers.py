@@ -46,6 +46,8 @@ CASES = [
     (Llama3Json, "The answer is {x}.", "The answer is {x}.", []),  # not at the start: content
     (Llama3Json, '{"name": "get_weather", "parameters": {"city": "Pa', None, []),  # cut
     (Llama3Json, '{"answer": 42}', None, []),  # JSON, not a call
+    (Hermes, "  \n", None, []),  # whitespace only: content as it is
+    (Llama3Json, " \n ", None, []),
 ]
 
 

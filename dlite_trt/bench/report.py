@@ -38,29 +38,41 @@ def _targets(m: dict, variant: str, weights: str, noise: dict) -> dict:
             continue
         best = max(ran, key=lambda p: m[p]["tokens_per_second"])
         ratio = m[variant]["tokens_per_second"] / m[best]["tokens_per_second"]
-        unsure = noise["impossible"] or (noise["round_spread"] or 0.0) > abs(ratio / need - 1.0)
+        unsure = noise["impossible"] or noise["rounds"] < MIN_ROUNDS or \
+            (noise["round_spread"] or 0.0) > abs(ratio / need - 1.0)
         out[goal] = {"fastest": best, "ratio": ratio, "need": need, "met": None if unsure else ratio >= need}
     return out
 
 
+MIN_ROUNDS = 3  # rounds (tasks) below which a workload's spread says nothing, and no goal is judged
+IMPOSSIBLE_STEP = 0.9  # a step this much cheaper than a decode step (its 2 tokens) is noise, not physics
+
+
 def noise(summary: dict) -> dict:
     """How far one workload's timings of a speculative method can be trusted: ``impossible`` when
-    its step (K+1 tokens verified, plus the draft) measured cheaper than a 1-token decode step,
-    which only a machine busy with something else can make happen; ``round_spread``, half the
-    p10-p90 width of its round-by-round speedups over target-only, relative to their median."""
+    its step measured well below a decode step (a DLite step verifies K+1 tokens and drafts; a
+    DLite + n-gram step without the draft verifies its proposal on the decode graph: neither can
+    cost less than a decode call), which only a machine busy with something else can make happen;
+    ``round_spread``, half the p10-p90 width of its round-by-round step time over target-only's,
+    relative to the median: both methods ran each round's same contexts back to back, so the
+    spread of that ratio is (nearly) noise alone, where the speedups' spread also holds the
+    rounds' different acceptance."""
     paired = summary.get("paired") or {}
     step = [v for v in (summary.get("step_time_over_ar"), (paired.get("step_time_over_ar") or {}).get("median"))
             if v is not None]
-    speed = paired.get("speedup_over_ar")
-    out = {"rounds": paired.get("rounds", 0), "impossible": bool(step) and min(step) < 1.0,
-           "step_time_over_ar": min(step, default=None), "step_rounds": paired.get("step_time_over_ar"),
-           "round_spread": (speed["p90"] - speed["p10"]) / (2 * speed["median"]) if speed and speed["median"] else None}
+    rounds = paired.get("step_time_over_ar")
+    out = {"rounds": paired.get("rounds", 0), "impossible": bool(step) and min(step) < IMPOSSIBLE_STEP,
+           "step_time_over_ar": min(step, default=None), "step_rounds": rounds,
+           "round_spread": (rounds["p90"] - rounds["p10"]) / (2 * rounds["median"]) if rounds and rounds["median"]
+           else None}
     why = []
     if out["impossible"]:
         why.append(f"a step measured {out['step_time_over_ar']:.2f}x a decode step, which physics rules out (it "
-                   "verifies K+1 tokens and drafts): the machine was busy")
+                   "verifies at least as many tokens as a decode call): the machine was busy")
+    if out["rounds"] < MIN_ROUNDS:
+        why.append(f"only {out['rounds']} rounds (tasks): too few to tell noise (at least {MIN_ROUNDS})")
     if out["round_spread"] is not None:
-        why.append(f"speedup rounds spread +-{out['round_spread']:.0%} over {out['rounds']} rounds")
+        why.append(f"step time rounds spread +-{out['round_spread']:.0%} over {out['rounds']} rounds")
     out["summary"] = "; ".join(why)
     return out
 

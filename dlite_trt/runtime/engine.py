@@ -44,7 +44,8 @@ MIN_CALL_TOKENS = 2
 def min_call_tokens(manifest: Manifest) -> int:
     """``MIN_CALL_TOKENS``, but 1 on an int4 engine at accuracy level 0 (see above)."""
     weights = manifest.weights
-    return 1 if weights.format == "int4" and weights.accuracy_level == FP32_COMPUTE else MIN_CALL_TOKENS
+    fused = weights.format == "int4" and weights.accuracy_level == FP32_COMPUTE
+    return 1 if fused else min(MIN_CALL_TOKENS, manifest.limits.max_chunk)
 
 
 def padded_ids(rows: Sequence[Sequence[int]], minimum: int = MIN_CALL_TOKENS) -> np.ndarray:
@@ -218,8 +219,9 @@ class EngineSession(SessionBase):
         engine_before = self.cache.engine_seconds
         width = k + 1 if sampling else self.gen.verify_drafts + 1  # a greedy step verifies d_1..d_k
         while any(self._active):
+            most = min(self.k, self.max_verify_tokens() - 1)  # a skip step verifies on the decode graph
             proposals = None if lookup is None else \
-                [lookup.propose(row, self.tokens[row], self.k) if self._active[row] else [] for row in range(b)]
+                [lookup.propose(row, self.tokens[row], most) if self._active[row] else [] for row in range(b)]
             if proposals is not None and all(p for p, a in zip(proposals, self._active, strict=True) if a):
                 with timer.time("verify"):  # every running row has a proposal: no draft this step
                     event = self._verify_proposals(proposals, params, draw)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MIB = 1 << 20
+CLOSE_ABOVE = 8  # a declared body this many times the limit gets its 413 and the connection closed (not read)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class BodySizeLimit:
     its Content-Length before any byte is read, else as soon as the bytes read pass the limit (the
     app then sees a client that went away, and whatever it answers is dropped). The connection
     stays open: uvicorn discards the rest of the body, so a client that sends it all before it
-    reads (most do) gets the 413 rather than a broken pipe."""
+    reads (most do) gets the 413 rather than a broken pipe; but a declared body more than
+    CLOSE_ABOVE times the limit is not worth reading, and its connection is closed."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -49,7 +51,7 @@ class BodySizeLimit:
             return
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(send, int(length))
+            await self._refuse(send, int(length), close=int(length) > CLOSE_ABOVE * self.max_bytes)
             return
         seen, refused = 0, False
 
@@ -70,12 +72,13 @@ class BodySizeLimit:
 
         await self.app(scope, limited_receive, guarded_send)
 
-    async def _refuse(self, send: Any, length: int | None) -> None:
+    async def _refuse(self, send: Any, length: int | None, close: bool = False) -> None:
         size = f"{length:,} bytes" if length is not None else f"over {self.max_bytes:,} bytes"
         body = json.dumps({"error": {
             "message": f"the request body is {size}; this server takes at most {self.max_bytes:,} "
                        "(dlite-trt serve --max-body-mb): shorten the prompt or raise the limit.",
             "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                *([(b"connection", b"close")] if close else [])]})
         await send({"type": "http.response.body", "body": body})

@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from dlite_trt.errors import DLiteError
 from dlite_trt.serve.server import free_port
@@ -65,16 +66,19 @@ class OpenAIServerProcess:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
-    def abandon(self, path: str, body: dict, count: int, after_s: float) -> None:
-        """``count`` requests sent at once, each on its own connection, whose clients hang up after
-        ``after_s`` seconds without reading anything."""
+    def abandon(self, path: str, body: dict, count: int, after_s: float = 0.0, after: Any = None) -> None:
+        """``count`` requests sent at once, each on its own connection, whose clients hang up without
+        reading anything after ``after_s`` seconds, or once ``after()`` returns."""
         data = json.dumps(body).encode()
         conns = []
         for _ in range(count):
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
             conn.request("POST", path, data, {"Content-Type": "application/json"})
             conns.append(conn)
-        time.sleep(after_s)
+        if after is not None:
+            after()
+        else:
+            time.sleep(after_s)
         for conn in conns:
             conn.sock.shutdown(socket.SHUT_RDWR)
             conn.close()

@@ -59,12 +59,12 @@ class _Sampling(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     stop: Text | list[Text] | None = Field(None, validate_default=True)  # -> list[str]
-    stream: bool = False
+    stream: bool | None = False  # null (as some SDKs send for OpenAI's nullable fields): the default
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1)] | None = 1
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     # OpenAI fields with nothing to do here: taken and ignored
     metadata: dict[str, str] | None = None
@@ -85,7 +85,7 @@ class _Sampling(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, message) for each OpenAI feature asked for that this server does not implement."""
         out = []
-        if self.n != 1:
+        if self.n not in (None, 1):
             out.append(("n", f"n = {self.n}: this server returns one choice per request; send n requests."))
         if self.top_p is not None and self.top_p != 1.0:
             out.append(("top_p", f"top_p = {self.top_p} is not supported (the engine samples the full "
@@ -102,7 +102,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Text | list[int] | list[Text]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -160,6 +160,7 @@ class CalledFunction(BaseModel):
     model_config = STRICT
     name: FunctionName
     arguments: Text  # a JSON object, as text
+    parsed_arguments: Any = None  # what the openai client adds to a call it parsed (its .parse helpers); ignored
 
 
 class ToolCallItem(BaseModel):
@@ -169,6 +170,7 @@ class ToolCallItem(BaseModel):
     id: str
     type: Literal["function"]
     function: CalledFunction
+    index: int | None = None  # what a streamed call reassembled by the openai client keeps: ignored
 
 
 class Message(BaseModel):
@@ -182,6 +184,8 @@ class Message(BaseModel):
     refusal: str | None = None
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
+    annotations: list[dict[str, Any]] | None = None  # a returned message's url citations: ignored
+    parsed: Any = None  # what the openai client's .parse / .stream helpers add to a message: ignored
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -238,6 +242,13 @@ class ChatCompletionRequest(_Sampling):
         if self.response_format not in (None, {"type": "text"}):
             out.append(("response_format", "response_format other than text is not supported."))
         return out
+
+    def text_chars(self) -> int:
+        """The characters of what the template renders from this request, before tokenizing: the
+        messages' text, the tools' definitions and the history's calls."""
+        return (sum(len(m.text()) + sum(len(c.function.arguments) + len(c.function.name) for c in m.tool_calls or ())
+                    for m in self.messages)
+                + sum(len(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False)) for t in self.tools or ()))
 
     def _tool_errors(self) -> list[tuple[str, str]]:
         """Tools, tool_choice and the calls and results of the history, consistent with each other."""

@@ -96,7 +96,7 @@ class OpenAIFrontend:
         self.scheduler, self.tokenizer, self.model_name = scheduler, loaded.tokenizer, model_name
         self.tools = tools or ToolSettings()
         self.parser = PARSERS[self.tools.parser]() if self.tools.parser else None
-        self.chat_template = self.tools.chat_template or getattr(self.tokenizer, "chat_template", None)
+        self.with_tools, self.without_tools = self._templates()
         self.engine_stops = tuple(loaded.stop_token_ids)
         self.default_temperature = default_temperature
         self.max_seq_len = scheduler.limits.max_seq_len
@@ -107,6 +107,23 @@ class OpenAIFrontend:
         self.created = int(time.time())
         self.in_flight = 0  # requests being answered (streams until their last event)
         self.draining = False  # Ctrl-C: new requests get 503 while those in flight finish
+
+    def _templates(self) -> tuple[str | None, str | None]:
+        """The chat template for requests with tools and without: --chat-template for both, else the
+        tokenizer's (one template, or transformers' pick among named ones: ``tool_use`` with tools)."""
+        if self.tools.chat_template:
+            return self.tools.chat_template, self.tools.chat_template
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            return None, None
+        pick = self.tokenizer.get_chat_template
+        try:
+            without = pick(None, tools=None)
+        except ValueError:  # named templates, none of them the default
+            without = None
+        try:
+            return pick(None, tools=[{}]), without
+        except ValueError:
+            return None, without
 
     # -- cheap checks, before anything that grows with the request ------------------------------
     def screen(self, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -127,7 +144,7 @@ class OpenAIFrontend:
             raise ApiError(400, f"a stop string of {longest:,} characters; this server takes at most "
                                 f"{limits.max_stop_chars:,} (dlite-trt serve --max-stop-chars).", param="stop")
         chat = isinstance(body, ChatCompletionRequest)
-        chars = sum(len(m.text()) for m in body.messages) if chat else \
+        chars = body.text_chars() if chat else \
             sum(len(p) for p in ([body.prompt] if isinstance(body.prompt, str) else body.prompt) if isinstance(p, str))
         if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
             raise ApiError(400, f"the prompt is {chars:,} characters, more than the engine can ever take "
@@ -143,9 +160,14 @@ class OpenAIFrontend:
         return "" if self.tokenizer is None else self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     # -- requests -> token ids and sampling parameters ---------------------------------------
+    def renders_tools(self, body: ChatCompletionRequest) -> bool:
+        """Whether the request's tools go into the prompt: it has some, and the template takes them
+        (with tool_choice none too, as OpenAI keeps them visible: only the output is not parsed)."""
+        return bool(body.tools) and "tools" in (self.with_tools or "")
+
     def tool_use(self, body: ChatCompletionRequest) -> ToolUse | None:
-        """The request's tools as this server runs them (None: no tools, or tool_choice none), or a 400
-        saying which flag of `dlite-trt serve` they need."""
+        """The request's tools as this server reads calls back (None: no tools, or tool_choice none),
+        or a 400 saying which flag of `dlite-trt serve` they need."""
         if not body.tools or body.chosen == "none":
             return None
         if self.parser is None:
@@ -156,7 +178,7 @@ class OpenAIFrontend:
             raise ApiError(400, "tool_choice auto (the default with tools) needs `dlite-trt serve "
                                 "--enable-auto-tool-choice`; or send tool_choice required or a named function.",
                            param="tool_choice")
-        if not self.chat_template or "tools" not in self.chat_template:
+        if not self.renders_tools(body):
             raise ApiError(400, "this engine's chat template does not render tools: start the server with "
                                 "--chat-template FILE (for SmolLM2: the bundled "
                                 "dlite_trt/bundled/templates/smollm2_tools.jinja).", param="tools")
@@ -166,21 +188,28 @@ class OpenAIFrontend:
 
     def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
-            if self.tokenizer is None or not self.chat_template:
+            tools = self.renders_tools(body)
+            template = self.with_tools if tools else self.without_tools
+            if self.tokenizer is None or not template:
                 raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions with the "
                                     "prompt formatted yourself, or start the server with --chat-template FILE.",
                                param="messages")
             use = self.tool_use(body)
-            kwargs = {"chat_template": self.chat_template}
-            if use is not None:
-                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+            kwargs = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} if tools else {}
             try:
                 text = self.tokenizer.apply_chat_template([m.for_template() for m in body.messages],
-                                                          add_generation_prompt=True, tokenize=False, **kwargs)
+                                                          add_generation_prompt=True, tokenize=False,
+                                                          chat_template=template, **kwargs)
             except Exception as exc:  # noqa: BLE001 - the template's own error (jinja raise_exception) is the reason
                 raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
-            ids = self.tokenizer.encode(text + (use.opening if use else ""), add_special_tokens=False)
-            return [int(t) for t in ids]
+            text += use.opening if use else ""
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # from strings no field type checks: the tools' schemas, call ids
+                raise ApiError(400, "the rendered prompt holds a lone surrogate (\\u"
+                                    f"{ord(text[exc.start]):04x}), from the tools' schemas or the history's calls; "
+                                    "send valid UTF-8 text.", param="tools" if body.tools else "messages") from None
+            return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]

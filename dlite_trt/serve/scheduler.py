@@ -440,6 +440,8 @@ class _DLiteNgramCalls(_DLiteCalls):
             return super().step(rows, view)
         proposals = [r.state["ngram"].propose(r.tokens, min(self.k, self.decode.width - 1)) for r in rows]
         if all(proposals):
+            for row in rows:  # a retried row may hold a step's draws: greedy, so nothing of them is lost
+                row.draws = {}
             results = self.decode.verify(rows, view, proposals)
             for row, result in zip(rows, results, strict=True):  # no draft: the next block is the anchor alone
                 block = np.zeros(self.k + 1, np.int64)

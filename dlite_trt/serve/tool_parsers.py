@@ -212,7 +212,7 @@ class ToolCallStream:
 
     def _content(self, upto: str, final: bool = False) -> list[tuple]:
         """Content up to ``upto`` (which extends what was sent), whitespace-only held unless final."""
-        if not upto.startswith(self.sent) or len(upto) == len(self.sent) or not upto.strip():
+        if not upto.startswith(self.sent) or len(upto) == len(self.sent) or (not upto.strip() and not final):
             return []
         piece, self.sent = upto[len(self.sent):], upto
         return [("content", piece)]
