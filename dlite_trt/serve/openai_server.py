@@ -126,8 +126,9 @@ class OpenAIFrontend:
             return None, without
 
     # -- cheap checks, before anything that grows with the request ------------------------------
-    def screen(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        """The request's options, its model, its stop strings and its text's length (not yet tokenized)."""
+    def screen(self, body: CompletionRequest | ChatCompletionRequest) -> ToolUse | None:
+        """The request's options, its model, its stop strings and its text's length (not yet tokenized);
+        its tools as the server runs them (``tool_use``)."""
         if self.draining:
             raise ApiError(503, "the server is shutting down; retry on another server.", code="server_shutting_down")
         for param, message in body.unsupported():
@@ -150,11 +151,10 @@ class OpenAIFrontend:
             raise ApiError(400, f"the prompt is {chars:,} characters, more than the engine can ever take "
                                 f"({self.max_prompt_chars:,}: --max-seq-len {self.max_seq_len} tokens, or dlite-trt "
                                 "serve --max-prompt-chars); shorten it.", param="messages" if chat else "prompt")
-        if chat:
-            self.tool_use(body)  # refuses tools this server cannot take
         if not chat and isinstance(body.prompt, list) and len(body.prompt) > self.max_seq_len:
             raise ApiError(400, f"the prompt is {len(body.prompt)} tokens, and the engine allows {self.max_seq_len} "
                                 "(--max-seq-len) with the output; shorten it.", param="prompt")
+        return self.tool_use(body) if chat else None  # refuses tools this server cannot take
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -186,7 +186,8 @@ class OpenAIFrontend:
         return ToolUse(self.parser, self.parser.opening(None if body.chosen == "required" else body.chosen)
                        if forced else "", body.parallel_tool_calls is False)
 
-    def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest, use: ToolUse | None = None) -> list[int]:
+        """The request's token ids (chat: rendered with its tools, ``use``'s call opening appended)."""
         if isinstance(body, ChatCompletionRequest):
             tools = self.renders_tools(body)
             template = self.with_tools if tools else self.without_tools
@@ -194,7 +195,6 @@ class OpenAIFrontend:
                 raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions with the "
                                     "prompt formatted yourself, or start the server with --chat-template FILE.",
                                param="messages")
-            use = self.tool_use(body)
             kwargs = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} if tools else {}
             try:
                 text = self.tokenizer.apply_chat_template([m.for_template() for m in body.messages],
@@ -361,27 +361,27 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
     app.openapi = schema_without_422
 
     async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest, *, chat: bool) -> Any:
-        frontend.screen(body)
+        use = frontend.screen(body)
         frontend.in_flight += 1
         streamed = False
         try:
-            response = await _answer(request, body, chat)
+            response = await _answer(request, body, chat, use)
             streamed = isinstance(response, _RowStream)  # counted until it is closed
             return response
         finally:
             if not streamed:
                 frontend.in_flight -= 1
 
-    async def _answer(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Any:
-        prompt = await asyncio.to_thread(frontend.prompt_ids, body)  # the template and the tokenizer: off the loop
+    async def _answer(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool,
+                      use: ToolUse | None) -> Any:
+        prompt = await asyncio.to_thread(frontend.prompt_ids, body, use)  # the template, the tokenizer: off the loop
         params = frontend.params(body, prompt)
         handle, updates = frontend.submit(prompt, params)
         text = ReplyText(frontend.decode, body.stop)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": frontend.model_name}
-        run = _Run(handle, updates, text, prompt, head, chat, body.return_token_ids,
-                   frontend.tool_use(body) if chat else None)
+        run = _Run(handle, updates, text, prompt, head, chat, body.return_token_ids, use)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _RowStream(_stream(run, include_usage), frontend, handle)
