@@ -67,3 +67,27 @@ def test_a_decode_call_computes_its_token_as_a_verify_does(engine, monkeypatch):
     monkeypatch.setattr(engine.runner, "infer", rounding_by_rows)
     planted = _new_entries(engine, monkeypatch, _decode)[..., 0, :]
     assert not np.array_equal(planted, verified)
+
+
+def test_a_verified_row_is_what_a_later_decode_call_computes(engine, monkeypatch):
+    """The verify's row j (a draft among the call's new tokens) and the decode call that reaches
+    that position later (the tokens before it now in the cache): bitwise the same KV entries at
+    every layer. The attention reads every key from its own slot (attention "gqa"); over
+    [cache slots; new keys] the same key sits at another column in the two calls and the sums
+    take another order."""
+    assert engine.manifest.attention == "gqa"
+    drafts = [7, 9]
+    seen, infer = [], engine.runner.infer
+    monkeypatch.setattr(engine.runner, "infer", lambda graph, feeds, cache: seen.append(infer(graph, feeds, cache))
+                        or seen[-1])
+    verifying = engine.session([PROMPT])
+    first = verifying._target_first(GREEDY, lambda *shape: None)[0]
+    _verify(verifying, first)
+    verified = np.asarray(seen[-1]["new_key"])[..., 1:3, :]
+    decoding = engine.session([PROMPT])
+    decoding._target_first(GREEDY, lambda *shape: None)
+    later = []
+    for i, token in enumerate([first, *drafts]):
+        decoding._target_next([token], [len(PROMPT) + i], GREEDY, lambda *shape: None)
+        later.append(np.asarray(seen[-1]["new_key"])[..., 0, :])
+    assert np.array_equal(np.stack(later[1:], axis=-2), verified)

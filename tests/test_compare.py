@@ -9,7 +9,7 @@ import pytest
 
 from dlite_trt.engine.build import BuildSettings, build_engine
 from dlite_trt.errors import EngineError
-from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits
+from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, present_output
 from dlite_trt.runtime.compare import compare_generation, compare_graphs
 from dlite_trt.runtime.engine import open_engine
 
@@ -31,8 +31,9 @@ def test_an_engine_against_itself_differs_nowhere(engines):
     assert sorted(report) == sorted(GRAPH_NAMES)
     for graph, outputs in report.items():
         spec = a.manifest.contract[graph]
-        assert list(outputs) == spec.output_names, graph  # every output compared, none dropped
-        for t in spec.outputs:
+        # every output compared but the cache buffers written in place (attention "gqa"), none dropped
+        assert list(outputs) == [n for n in spec.output_names if present_output(n) is None], graph
+        for t in (t for t in spec.outputs if t.name in outputs):
             diff = outputs[t.name]
             if t.dtype.startswith(("float", "bfloat")):
                 assert set(diff) == FLOAT_KEYS, (graph, t.name, diff)

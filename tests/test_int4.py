@@ -422,6 +422,12 @@ def test_int4_manifest_records_the_weight_format(engine: str, level: int, head: 
         del data["weights"][key]
     with pytest.raises(EngineError, match=r"does not record its MatMulNBits accuracy level.*rebuild it"):
         Manifest.from_dict(data, "m.json")
+    # the attention is part of the I/O contract (attention "gqa": the in-place cache outputs)
+    data = manifest.to_dict()
+    assert data["attention"] == "gqa" == load_manifest(out).attention
+    for edit in ({"attention": "ops"}, {"attention": "flash"}):
+        with pytest.raises(EngineError, match="I/O contract does not match|with attention 'flash' is not"):
+            Manifest.from_dict(data | edit, "m.json")
 
 
 def test_a_float_weight_record_without_the_int4_fields_reads_as_float() -> None:
@@ -439,7 +445,7 @@ def test_a_float_weight_record_without_the_int4_fields_reads_as_float() -> None:
 def test_int4_graphs_match_the_reference_on_dequantized_weights(bundled_int4_l0) -> None:
     """Level 0: the int4 engine's decode and prefill graphs against the eager graphs of the same
     target with every projection set to its dequantized blocks (the fp32 engine on those weights)."""
-    from dlite_trt.export.contract import dummy_inputs
+    from dlite_trt.export.contract import dummy_inputs, present_output
     from dlite_trt.export.graphs import graph_module
 
     out, manifest, pair, plan = bundled_int4_l0
@@ -459,7 +465,7 @@ def test_int4_graphs_match_the_reference_on_dequantized_weights(bundled_int4_l0)
         got = dict(zip(spec.output_names, session.run(None, feed), strict=True))
         eager = graph_module(spec, target, draft)(*(torch.from_numpy(feed[n]) for n in spec.input_names))
         for name, want in zip(spec.output_names, eager, strict=True):
-            if want.is_floating_point():
+            if want.is_floating_point() and present_output(name) is None:  # the cache buffers: test_cache_attention
                 np.testing.assert_allclose(got[name], want.numpy(), rtol=0, atol=1e-4, err_msg=f"{graph} {name}")
 
 
@@ -500,73 +506,22 @@ def test_int4_weights_are_stored_once_for_all_graphs(bundled_int4) -> None:
 PROMPTS = ("def main():\n    ", "import os\nimport")
 
 
-def test_int4_level_0_speculative_greedy_equals_its_target_only_greedy(bundled_int4_l0) -> None:
+@pytest.mark.parametrize("engine", ["bundled_int4", "bundled_int4_l0"])
+def test_int4_speculative_greedy_equals_its_target_only_greedy(engine: str, request) -> None:
+    """At both levels (at level 4 through attention "gqa", the default: a verify and a decode call
+    compute every position alike, tests/test_call_rows.py; over attention "ops" level 4's int8
+    rounding magnifies their different attention sums into different tokens at near-ties)."""
     from dlite_trt.runtime.engine import open_engine
     from dlite_trt.runtime.session import SamplingParams
 
-    out, _, pair, _ = bundled_int4_l0
+    out, manifest, pair, _ = request.getfixturevalue(engine)
+    assert manifest.attention == "gqa"
     engine = open_engine(out)
     prompts = [pair.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=40)
     speculative = engine.generate(prompts, params)
     assert speculative.output_ids == engine.session(prompts).generate_target_only(params).output_ids
     assert max(speculative.acceptance_lengths(0)) > 1  # the draft's blocks were really verified
-
-
-@torch.no_grad()
-def _level4_and_exact_logits(out: Path, manifest, pair, plan: Int4Plan, context: list[int]) -> tuple[np.ndarray, ...]:
-    """[V] logits after ``context`` (one chunk, empty cache): the engine's decode graph (the 8-bit
-    head's output exposed), and the eager target on the same blocks dequantized (exact arithmetic)."""
-    import copy
-
-    from dlite_trt.export.contract import dummy_inputs
-
-    model = onnx.load(str(out / manifest.graphs["decode"]["onnx"]))
-    head = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and _nbits_nodes(model)[n.name]["bits"] == 8)
-    model.graph.output.append(helper.make_tensor_value_info(head.output[0], TensorProto.FLOAT, None))
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    t = len(context)
-    feed = dummy_inputs(manifest.contract["decode"], {"batch": 1, "chunk": t, "outputs": 1, "cache": t},
-                        vocab_size=manifest.target_spec.vocab_size, rng=np.random.default_rng(0), check=False)
-    feed.update(input_ids=np.array([context]), past_len=np.zeros(1, np.int64), output_index=np.array([[t - 1]]))
-    (engine_logits,) = session.run([head.output[0]], feed)
-    target = copy.deepcopy(pair.generator.target)
-    params = dict(target.named_parameters())
-    for name in plan.names:
-        params[name].copy_(torch.from_numpy(plan.blocks(name).dequantize()))
-    layers = range(manifest.target_spec.num_hidden_layers)
-    exact = target(torch.tensor([context]), torch.arange(t)[None], [torch.from_numpy(feed[f"past_key.{i}"]) for i in layers],
-                   [torch.from_numpy(feed[f"past_value.{i}"]) for i in layers], torch.zeros(1, dtype=torch.long),
-                   torch.tensor([[t - 1]])).logits
-    return engine_logits.reshape(-1), exact.numpy().reshape(-1)
-
-
-def test_int4_level_4_speculative_greedy_is_its_target_only_greedy_up_to_int8_ties(bundled_int4) -> None:
-    """At level 4 the int8 rounding of the activations turns the fp32 differences between a step
-    call (K+1 rows) and a decode call (1 row) into differences of the int8 error's size (an fp32
-    engine's are ~1e-6), so the two greedy paths may take different tokens where the engine's own
-    top two are that close. Each output equals the target-only one up to its first difference, and
-    there the two tokens are the engine's top two with a logit gap within its int8 error: the largest
-    |logit| difference from exact arithmetic on the same blocks (measured ~0.09-0.16 on the bundled
-    pair, gaps at its differences ~0.006-0.01)."""
-    from dlite_trt.runtime.engine import open_engine
-    from dlite_trt.runtime.session import SamplingParams
-
-    out, manifest, pair, plan = bundled_int4
-    engine = open_engine(out)
-    prompts = [pair.tokenizer.encode(p) for p in PROMPTS]
-    params = SamplingParams(max_new_tokens=40)
-    speculative = engine.generate(prompts, params)
-    target_only = engine.session(prompts).generate_target_only(params).output_ids
-    assert max(speculative.acceptance_lengths(0)) > 1  # the draft's blocks were really verified
-    for prompt, got, want in zip(prompts, speculative.output_ids, target_only, strict=True):
-        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-        if first is None:
-            continue
-        logits, exact = _level4_and_exact_logits(out, manifest, pair, plan, prompt + want[:first])
-        top2 = set(np.argsort(-logits)[:2].tolist())
-        gap, error = abs(float(logits[got[first]] - logits[want[first]])), float(np.abs(logits - exact).max())
-        assert {got[first], want[first]} == top2 and gap <= error, (first, gap, error)
 
 
 def test_int4_settings_are_checked() -> None:

@@ -25,12 +25,18 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "(onnxruntime), fp32 between the matmuls (see --int4-accuracy-level); a Q4_1/Q4_0 GGUF's own "
                    "blocks are kept exactly, other targets are quantized round-to-nearest into Q4_1.")
 @click.option("--int4-accuracy-level", "int4_accuracy_level", type=click.Choice(["4", "0"]), default=None,
-              help="With --dtype int4: MatMulNBits' accuracy level [default: 0]. 0: fp32 compute, weight-only: "
-                   "fp32 arithmetic on the dequantized weights, the LM head float; speculative output equals "
-                   "target-only greedy. 4: int8 activations inside the quantized matmuls (per block of 32, as "
-                   "onnxruntime-genai's CPU int4 models run) and the LM head 8-bit (a GGUF's own Q8_0 head); "
-                   "faster, but a step (k+1 rows) and a decode call (1 row) round differently, so DLite's output "
-                   "can leave target-only greedy's at a near-tie.")
+              help="With --dtype int4: MatMulNBits' accuracy level [default: 4 with --attention gqa, else 0]. "
+                   "4: int8 activations inside the quantized matmuls (per block of 32, as onnxruntime-genai's CPU "
+                   "int4 models run) and the LM head 8-bit (a GGUF's own Q8_0 head), faster "
+                   "(docs/engine.md). 0: fp32 compute, weight-only: fp32 arithmetic on the dequantized weights, the LM head "
+                   "float. Speculative output equals the engine's target-only greedy at both levels with "
+                   "--attention gqa; with --attention ops only at level 0 (a verify and a decode call sum "
+                   "attention in another order, which level 4's int8 rounding turns into other tokens at near-ties).")
+@click.option("--attention", type=click.Choice(["gqa", "ops"]), default=None,
+              help="How the target attends over the KV cache [default: gqa for onnxruntime fp32 and int4, else "
+                   "ops]. gqa: ONNX Runtime's GroupQueryAttention, writing each call's entries into the cache in "
+                   "place and reading every key from its own slot, so a verify and a decode call compute a position "
+                   "alike. ops: standard ONNX ops over the cache's slots and the call's new keys (TensorRT, fp16).")
 @click.option("--workspace", "workspace_gb", default=8.0, show_default=True, type=click.FloatRange(min=0.1),
               help="tensorrt: builder workspace, GB.")
 @click.option("--timing-cache", type=click.Path(path_type=Path, dir_okay=False),
@@ -48,7 +54,7 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "all K drafts).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str,
-            int4_accuracy_level: str | None, workspace_gb: float, timing_cache: Path | None, max_seq_len: int | None,
+            int4_accuracy_level: str | None, attention: str | None, workspace_gb: float, timing_cache: Path | None, max_seq_len: int | None,
             max_batch: int, max_chunk: int, random_weights: bool, no_calibrate: bool, quiet: bool) -> None:
     """Compile a target (Qwen3, Llama or Qwen2) and a DLite draft into an engine directory.
 
@@ -68,7 +74,7 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     dtype, weights = WEIGHT_ONLY_DTYPES.get(dtype, (dtype, "float"))
     level = {} if int4_accuracy_level is None else {"int4_accuracy_level": int(int4_accuracy_level)}
     settings = BuildSettings(backend=backend, dtype=dtype, weights=weights, random_weights=random_weights,
-                             workspace_gb=workspace_gb, **level,
+                             workspace_gb=workspace_gb, attention=attention, **level,
                              timing_cache=timing_cache, fit_seq_len_to_target=max_seq_len is None,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,
                                                  max_chunk=max_chunk))
@@ -77,7 +83,7 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     vocab = manifest.draft_config.draft_vocab_size
     drafts = "" if vocab is None else f", draft vocabulary {vocab} of {manifest.target_spec.vocab_size} tokens"
     click.echo(f"engine {out}: {backend} {manifest.weights.describe(dtype)}, block size {manifest.block_size}"
-               f"{drafts}, "
+               f"{drafts}, attention {manifest.attention}, "
                f"max batch {max_batch}, max seq len {manifest.limits.max_seq_len}; {len(manifest.files)} files, {total / 2**20:.1f} MiB, "
                f"built in {manifest.build['seconds']:.1f} s")
     if not no_calibrate and not random_weights:  # random weights: nothing to accept

@@ -36,8 +36,9 @@ from dlite_trt.engine.manifest import (
 )
 from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
-from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, engine_contract
-from dlite_trt.export.int4 import ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, plan_int4, quantize_graph
+from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, EngineLimits, engine_contract
+from dlite_trt.export.int4 import ACCURACY_LEVELS, plan_int4, quantize_graph
+from dlite_trt.export.nbits_levels import default_accuracy_level
 
 BACKENDS = tuple(BACKEND_DTYPES)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
@@ -48,7 +49,10 @@ class BuildSettings:
     backend: str = "onnxruntime"
     dtype: str = "fp32"  # activations and KV cache (and every weight, unless `weights` says otherwise)
     weights: str = "float"  # "int4": the target's projections 4-bit weight-only (export/int4.py)
-    int4_accuracy_level: int = DEFAULT_ACCURACY_LEVEL  # int4: MatMulNBits accuracy_level, 4 (and an 8-bit head) or 0
+    # int4: MatMulNBits accuracy_level, 4 (and an 8-bit head) or 0; None: default_accuracy_level(attention)
+    int4_accuracy_level: int | None = None
+    # how the target attends over the KV cache (export/contract.py ATTENTIONS); None: default_attention()
+    attention: str | None = None
     limits: EngineLimits = EngineLimits()
     random_weights: bool = False
     workspace_gb: float = 8.0  # tensorrt: builder workspace
@@ -67,9 +71,23 @@ class BuildSettings:
                               f"{self.weights!r} (int4 runs on ONNX Runtime's MatMulNBits)")
         if self.weights == "int4" and self.dtype != "fp32":
             raise ConfigError(f"int4 weights run with fp32 activations, not {self.dtype}")
+        if self.attention is None:
+            object.__setattr__(self, "attention", default_attention(self.backend, self.dtype))
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.attention == "gqa" and (self.backend, self.dtype) != ("onnxruntime", "fp32"):
+            raise ConfigError(f"attention 'gqa' is ONNX Runtime's GroupQueryAttention in fp32 (and int4) engines, not "
+                              f"a {self.backend} {self.dtype} one; use attention 'ops'")
+        if self.int4_accuracy_level is None:
+            object.__setattr__(self, "int4_accuracy_level", default_accuracy_level(self.attention))
         if self.int4_accuracy_level not in ACCURACY_LEVELS:
             raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got "
                               f"{self.int4_accuracy_level!r}")
+
+
+def default_attention(backend: str, dtype: str) -> str:
+    """GroupQueryAttention where it runs (ONNX Runtime, fp32 activations), standard ops elsewhere."""
+    return "gqa" if (backend, dtype) == ("onnxruntime", "fp32") else "ops"
 
 
 def package_versions() -> dict[str, str]:
@@ -160,7 +178,7 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
         if limits.max_seq_len > spec.max_position_embeddings:
             raise ConfigError(f"--max-seq-len {limits.max_seq_len} is past the target's max_position_embeddings="
                               f"{spec.max_position_embeddings}; lower it.")
-        contract = engine_contract(spec, cfg, limits, settings.dtype)
+        contract = engine_contract(spec, cfg, limits, settings.dtype, settings.attention)
         plan, weights = None, WeightFormat()
         if int4:
             advance("int4: the target's projection matrices in 4-bit blocks (a GGUF's own, else round-to-nearest)")
@@ -204,7 +222,7 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
                 draft_config=cfg, draft_sha256=checkpoint_sha256(Path(draft)),
                 stop_token_ids=stop_token_ids(pair.source, pair.tokenizer), graphs=graphs, contract=contract,
                 files=file_records(tmp, [str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()]),
-                versions=package_versions(), weights=weights,
+                versions=package_versions(), weights=weights, attention=settings.attention,
                 build={"seconds": round(time.perf_counter() - started, 2), "random_weights": settings.random_weights,
                        "target": str(target), "draft": str(draft), "machine": platform.machine(), **backend_info})
             write_manifest(tmp, manifest)

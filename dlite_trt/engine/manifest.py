@@ -20,7 +20,7 @@ from dlite_trt.config import DraftConfig, TargetSpec
 from dlite_trt.dtypes import WEIGHT_FORMATS
 from dlite_trt.engine.weights import WEIGHTS_FILE
 from dlite_trt.errors import DLiteError, EngineError
-from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, GraphSpec, engine_contract
+from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, EngineLimits, GraphSpec, engine_contract
 from dlite_trt.export.nbits_levels import ACCURACY_LEVELS, FP32_COMPUTE, HEAD_SCHEME, INT8_ACTIVATIONS
 from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TargetSource
 
@@ -152,6 +152,7 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     build: dict[str, Any] = field(default_factory=dict)
     weights: WeightFormat = WeightFormat()
+    attention: str = "ops"  # export/contract.py ATTENTIONS; "gqa": ONNX Runtime engines only
     dlite_trt_version: str = __version__
     format_version: int = FORMAT_VERSION
 
@@ -167,6 +168,7 @@ class Manifest:
             "backend": self.backend,
             "dtype": self.dtype,
             "weights": self.weights.to_dict(),
+            "attention": self.attention,
             "limits": self.limits.to_dict(),
             "block_size": self.block_size,
             "target": {"name": self.target_name, "config": self.target_spec.to_hf_config(),
@@ -204,7 +206,10 @@ class Manifest:
             if missing:
                 raise EngineError(f"{where}: graph files {missing} of {name} are not among the manifest's hashed files; "
                                   "the manifest is corrupt. Rebuild the engine.")
-        want = engine_contract(self.target_spec, self.draft_config, self.limits, self.dtype)
+        if self.attention not in ATTENTIONS or (self.attention == "gqa" and self.backend != "onnxruntime"):
+            raise EngineError(f"{where}: a {self.backend} engine with attention {self.attention!r} is not something this "
+                              f"dlite-trt runs ({ATTENTIONS}; gqa on onnxruntime). Rebuild the engine.")
+        want = engine_contract(self.target_spec, self.draft_config, self.limits, self.dtype, self.attention)
         if {n: g.to_dict() for n, g in want.items()} != {n: g.to_dict() for n, g in self.contract.items()}:
             raise EngineError(f"{where}: the I/O contract does not match the target/draft configs and limits it "
                               "records; the manifest was edited or is corrupt. Rebuild the engine.")
@@ -232,6 +237,7 @@ class Manifest:
                 files=dict(data["files"]), versions=dict(data["versions"]), build=dict(data["build"]),
                 # absent: an engine built before weight formats, all float
                 weights=WeightFormat.from_dict(data["weights"], where) if "weights" in data else WeightFormat(),
+                attention=data.get("attention", "ops"),  # absent: an engine built before "gqa"
                 dlite_trt_version=data["dlite_trt_version"], format_version=version)
             manifest.check_consistent(where)
             if data["draft"].get("draft_vocab_size", manifest.draft_config.draft_vocab_size) \

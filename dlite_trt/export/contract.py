@@ -41,6 +41,12 @@ from dlite_trt.errors import ConfigError
 GRAPH_NAMES = ("prefill", "step", "prefill_sampling", "step_sampling", "decode")
 SAMPLING_SUFFIX = "_sampling"  # the variant of prefill/step that samples (temperature > 0)
 PAD_TOKEN = -1  # fills the unused tail of ``emitted``
+# How a graph attends over the KV cache: "ops", standard ops over [the cache's slots, masked past each
+# row's length; the call's new keys]; "gqa" (ONNX Runtime), one GroupQueryAttention per layer that
+# writes the call's entries into the cache buffer in place (outputs ``present_key.{i}`` /
+# ``present_value.{i}``, bound to the same memory as ``past_key.{i}`` / ``past_value.{i}``) and
+# reads every key from its own slot (export/cache_attention.py)
+ATTENTIONS = ("ops", "gqa")
 
 
 @dataclass(frozen=True)
@@ -158,16 +164,26 @@ def kv_input(name: str) -> tuple[str, int] | None:
     return None
 
 
+def present_output(name: str) -> tuple[str, int] | None:
+    """("key" | "value", layer) for an in-place cache output name (``present_key.3``), else None."""
+    for kind in ("key", "value"):
+        if name.startswith(f"present_{kind}."):
+            return kind, int(name.rsplit(".", 1)[1])
+    return None
+
+
 def cache_capacity_max(limits: EngineLimits, block_size: int) -> int:
     """KV slots a sequence can need: every token plus the block verified past the last one."""
     return limits.max_seq_len + block_size
 
 
 def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
-                    dtype: str = "fp32") -> dict[str, GraphSpec]:
-    """The I/O of every graph of an engine for this target, draft, limits and dtype."""
+                    dtype: str = "fp32", attention: str = "ops") -> dict[str, GraphSpec]:
+    """The I/O of every graph of an engine for this target, draft, limits, dtype and attention."""
     if dtype not in NUMPY_NAMES:
         raise ConfigError(f"dtype must be one of {sorted(NUMPY_NAMES)}, got {dtype!r}")
+    if attention not in ATTENTIONS:
+        raise ConfigError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
     fdt = NUMPY_NAMES[dtype]
     k, g = cfg.num_proposals, cfg.anchor_group_size
     n_layers, kv_heads, head_dim = spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim
@@ -184,9 +200,14 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
                 for i in range(n_layers) for kind in ("key", "value")]
 
     def kv_outputs(width: str | int) -> list[TensorSpec]:
-        return [TensorSpec(f"new_{kind}", fdt, (n_layers, "batch", kv_heads, width, head_dim),
-                           f"{kind}s of this call's tokens (RoPE applied); the runtime stores the kept ones")
-                for kind in ("key", "value")]
+        new = [TensorSpec(f"new_{kind}", fdt, (n_layers, "batch", kv_heads, width, head_dim),
+                          f"{kind}s of this call's tokens (RoPE applied); the runtime stores the kept ones")
+               for kind in ("key", "value")]
+        present = [TensorSpec(f"present_{kind}.{i}", fdt, ("batch", kv_heads, "cache", head_dim),
+                              f"past_{kind}.{i}'s buffer (bound to the same memory), this call's entries written "
+                              "(unbound, ONNX Runtime returns a new buffer of another length)")
+                   for i in range(n_layers) for kind in ("key", "value")] if attention == "gqa" else []
+        return new + present
 
     prefix = [TensorSpec("group_prefix", "int64", ("batch", g - 1),
                          "the G-1 tokens before the anchor, left-padded (any value where absent)")] if g > 1 else []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dlite_trt.export.contract import PAD_TOKEN, SAMPLING_SUFFIX, GraphSpec
+from dlite_trt.export.contract import PAD_TOKEN, SAMPLING_SUFFIX, GraphSpec, present_output
 from dlite_trt.export.recurrence import low_rank_recurrence
 from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.model.target import TargetAdapter, TargetOutput
@@ -30,6 +30,8 @@ class _EngineGraph(nn.Module):
         self.draft = draft
         self.num_layers = target.spec.num_hidden_layers
         self.sampling = graph.name.endswith(SAMPLING_SUFFIX)  # else greedy: argmax, no draft logits out
+        # the contract's attention "gqa": the graph returns the cache buffers it writes in place
+        self.writes_cache = any(present_output(n) is not None for n in graph.output_names)
 
     def named(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
         names = self.graph.input_names
@@ -43,7 +45,13 @@ class _EngineGraph(nn.Module):
         positions = x["past_len"][:, None] + torch.arange(t, device=ids.device)[None, :]  # [B, T]
         past_k = [x[f"past_key.{i}"] for i in range(self.num_layers)]
         past_v = [x[f"past_value.{i}"] for i in range(self.num_layers)]
-        return self.target(ids, positions, past_k, past_v, x["past_len"], output_index)
+        return self.target(ids, positions, past_k, past_v, x["past_len"], output_index, write_cache=self.writes_cache)
+
+    @staticmethod
+    def cache_outputs(out: TargetOutput) -> tuple[torch.Tensor, ...]:
+        """new_key, new_value, then (attention "gqa") present_key.{i}, present_value.{i} per layer."""
+        present = [t for pair in zip(out.present_k, out.present_v, strict=True) for t in pair]
+        return out.new_k, out.new_v, *present
 
     def draft_block(self, x: dict[str, torch.Tensor], chs: torch.Tensor, prefix: torch.Tensor | None,
                     anchor: torch.Tensor, anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +77,7 @@ class PrefillGraph(_EngineGraph):
         chs = out.hidden[:, 0]  # [B, S, H] at the last prompt token
         next_block, draft_logits = self.draft_block(x, chs, x.get("group_prefix"), anchor,
                                                     x["past_len"] + x["chunk_len"])
-        return next_block, *([draft_logits] if self.sampling else []), chs, out.new_k, out.new_v
+        return next_block, *([draft_logits] if self.sampling else []), chs, *self.cache_outputs(out)
 
 
 class StepGraph(_EngineGraph):
@@ -105,7 +113,7 @@ class StepGraph(_EngineGraph):
         outputs.append(next_block)
         if prefix is not None:
             outputs.append(prefix)
-        return (*outputs, *([draft_logits] if self.sampling else []), out.new_k, out.new_v)
+        return (*outputs, *([draft_logits] if self.sampling else []), *self.cache_outputs(out))
 
 
 class DecodeGraph(_EngineGraph):
@@ -115,7 +123,7 @@ class DecodeGraph(_EngineGraph):
         x = self.named(inputs)
         out = self.run_target(x, x["input_ids"], x["output_index"])  # logits [B, R, V]
         next_tokens = sample_from_logits(out.logits, x["temperature"], x["uniforms"])  # [B, R]
-        return next_tokens, out.new_k, out.new_v
+        return next_tokens, *self.cache_outputs(out)
 
 
 GRAPH_MODULES = {"prefill": PrefillGraph, "step": StepGraph, "decode": DecodeGraph}

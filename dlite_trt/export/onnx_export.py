@@ -17,6 +17,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from dlite_trt.export.cache_attention import lower_cache_attention
 from dlite_trt.export.contract import GraphSpec, dummy_inputs
 from dlite_trt.export.graphs import graph_module
 from dlite_trt.export.recurrence import (
@@ -96,6 +97,8 @@ def export_graph(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft, pat
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
     module = graph_module(graph, target, draft)
+    if module.writes_cache and lowering != "onnxruntime":
+        raise ValueError(f"graph {graph.name}: attention \"gqa\" is ONNX Runtime's GroupQueryAttention, not for {lowering}")
     dtype = target.embed_weight.dtype
     args = trace_inputs(graph, target.spec.vocab_size, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,10 +109,13 @@ def export_graph(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft, pat
             torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=OPSET,
                               input_names=graph.input_names, output_names=graph.output_names,
                               dynamic_axes=graph.dynamic_axes(),
-                              custom_opsets={DOMAIN: OP_VERSION} if module.uses_draft else None,
+                              custom_opsets={DOMAIN: OP_VERSION} if module.uses_draft or module.writes_cache
+                              else None,
                               do_constant_folding=True)
         model = onnx.load(str(raw), load_external_data=False)
         _declare_output_shapes(model, graph)
+        if module.writes_cache:
+            lower_cache_attention(model)
         if module.uses_draft and (tables := _head_tables(module, draft)):
             _constants_as_initializers(model, tables)
         if module.uses_draft and lowering == "onnxruntime":

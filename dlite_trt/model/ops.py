@@ -174,3 +174,60 @@ def attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[to
         out = out.to(values[0].dtype)
     out = reshape(out, (0, n_heads, -1, d))  # [B, nH, T, D]
     return reshape(out.transpose(1, 2), (0, 0, n_heads * d))
+
+
+CACHE_ATTENTION_OP = "CacheAttention"  # in the dlite domain; export/cache_attention.py lowers it
+
+
+class _CacheAttention(torch.autograd.Function):
+    """A call's T tokens attending over one KV buffer that the call also writes.
+
+    q [B, T, nH * D], k / v [B, T, kvH * D] (RoPE applied), past_k / past_v [B, kvH, P, D] with
+    each row's first past_len entries valid -> (out [B, T, nH * D], present_k, present_v): the
+    buffers with row b's new entries written at slots past_len[b] .. past_len[b] + T - 1, and
+    query t attending over slots 0 .. past_len[b] + t. Every key is read from its own slot, so a
+    position's attention sums the same terms in the same order whichever call computes it (a
+    verify of several tokens or a later decode call). Exports as one ``dlite::CacheAttention``
+    node, which the ONNX Runtime lowering makes a GroupQueryAttention over a shared buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, past_k, past_v, past_len, num_heads: int, kv_heads: int, scale: float):
+        b, t = q.shape[:2]
+        p, d = past_k.shape[2:]
+        pos = past_len[:, None] + torch.arange(t, device=q.device)[None, :]  # [B, T]
+        rows = torch.arange(b, device=q.device)[:, None].expand(b, t)
+        fits = pos < p  # slots past the buffer are not written (GroupQueryAttention refuses such a call)
+        present = []
+        for past, new in ((past_k, k), (past_v, v)):
+            buf = past.clone()
+            buf.permute(0, 2, 1, 3)[rows[fits], pos[fits]] = new.reshape(b, t, kv_heads, d)[fits].to(buf.dtype)
+            present.append(buf)
+        mask = torch.arange(p, device=q.device)[None, None, :] <= pos[:, :, None]  # [B, T, P]
+        out = attention(q.reshape(b, t, num_heads, d).transpose(1, 2), present[:1], present[1:], (mask,), scale)
+        return out, present[0], present[1]
+
+    @staticmethod
+    def symbolic(g, q, k, v, past_k, past_v, past_len, num_heads: int, kv_heads: int, scale: float):
+        int32 = 6  # TensorProto.INT32
+        t = g.op("Shape", q, start_i=1, end_i=2)  # [1] int64
+        one = g.op("Constant", value_t=torch.tensor([1], dtype=torch.int64))
+        seqlens_k = g.op("Cast", g.op("Sub", g.op("Add", past_len, t), one), to_i=int32)  # [B] total - 1
+        capacity = g.op("Squeeze", g.op("Shape", past_k, start_i=2, end_i=3),
+                        g.op("Constant", value_t=torch.tensor([0], dtype=torch.int64)))
+        query_seqlens = g.op("Cast", g.op("Expand", t, g.op("Shape", past_len)), to_i=int32)  # [B] = T
+        out, present_k, present_v = g.op(f"dlite::{CACHE_ATTENTION_OP}", q, k, v, past_k, past_v, seqlens_k,
+                                         g.op("Cast", capacity, to_i=int32), query_seqlens, num_heads_i=num_heads,
+                                         kv_num_heads_i=kv_heads, scale_f=scale, outputs=3)
+        for value, like in ((out, q), (present_k, past_k), (present_v, past_v)):
+            value.setType(like.type())
+        return out, present_k, present_v
+
+
+def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                    past_len: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_CacheAttention`` on q [B, nH, T, D] and k / v [B, kvH, T, D] (the layout ``attention``
+    takes): (out [B, T, nH * D], present_k, present_v)."""
+    n_heads, kv_heads = static_size(q, 1), static_size(k, 1)
+    packed = [reshape(x.transpose(1, 2), (0, 0, -1)) for x in (q, k, v)]  # [B, T, h * D]
+    return _CacheAttention.apply(*packed, past_k, past_v, past_len, n_heads, kv_heads, scale)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dlite_trt.config import TargetSpec
-from dlite_trt.model.ops import apply_rope, attention, reshape, rms_norm, rope_cos_sin
+from dlite_trt.model.ops import apply_rope, attention, cache_attention, reshape, rms_norm, rope_cos_sin
 
 
 class TargetOutput(NamedTuple):
@@ -29,6 +29,9 @@ class TargetOutput(NamedTuple):
     hidden: torch.Tensor  # [B, R, S, H] selected layers at the same indices
     new_k: torch.Tensor  # [L, B, kvH, T, D] keys of the T input tokens (RoPE applied)
     new_v: torch.Tensor  # [L, B, kvH, T, D]
+    # with ``write_cache``: per layer, the cache buffers with the new entries written ([B, kvH, P, D])
+    present_k: tuple[torch.Tensor, ...] = ()
+    present_v: tuple[torch.Tensor, ...] = ()
 
 
 class TargetAdapter(nn.Module):
@@ -59,6 +62,7 @@ class TargetAdapter(nn.Module):
         past_v: torch.Tensor | Sequence[torch.Tensor],  # entries >= past_len are ignored
         past_len: torch.Tensor,  # [B] int64, valid cache entries per sequence
         output_index: torch.Tensor,  # [B, R] int64, indices into T where logits/hidden are wanted
+        write_cache: bool = False,  # ops.cache_attention: also returns the cache buffers, new entries written
     ) -> TargetOutput:
         spec = self.spec
         if input_ids.ndim != 2 or positions.shape != input_ids.shape:
@@ -80,7 +84,7 @@ class TargetAdapter(nn.Module):
         gather = output_index[:, :, None].expand(-1, -1, spec.hidden_size)  # [B, R, H]
         split_heads = (0, 0, -1, spec.head_dim)  # [B, T, h * D] -> [B, T, h, D]
         qk_norm = spec.arch.qk_norm
-        new_k, new_v, selected = [], [], {}
+        new_k, new_v, present_k, present_v, selected = [], [], [], [], {}
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -92,7 +96,13 @@ class TargetAdapter(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             new_k.append(k)
             new_v.append(v)
-            x = x + attn.o_proj(attention(q, (past_k[i], k), (past_v[i], v), (past_ok, causal), scale))
+            if write_cache:
+                attended, pk, pv = cache_attention(q, k, v, past_k[i], past_v[i], past_len, scale)
+                present_k.append(pk)
+                present_v.append(pv)
+            else:
+                attended = attention(q, (past_k[i], k), (past_v[i], v), (past_ok, causal), scale)
+            x = x + attn.o_proj(attended)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.layer_ids and i != n_layers - 1:
                 selected[i] = torch.gather(x, 1, gather)
@@ -102,7 +112,7 @@ class TargetAdapter(nn.Module):
             selected[n_layers - 1] = normed
         hidden = torch.stack([selected[i] for i in self.layer_ids], dim=2)  # [B, R, S, H]
         logits = self.lm_head(normed)  # [B, R, V]
-        return TargetOutput(logits, hidden, torch.stack(new_k), torch.stack(new_v))
+        return TargetOutput(logits, hidden, torch.stack(new_k), torch.stack(new_v), tuple(present_k), tuple(present_v))
 
 
 def _check_cache(past_k, past_v, cache_shape: tuple[int, int, int, int]) -> None:

@@ -56,6 +56,16 @@ def padded_ids(rows: Sequence[Sequence[int]], minimum: int = MIN_CALL_TOKENS) ->
     return ids
 
 
+def every_output(ids: np.ndarray, uniforms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A decode call's output_index and uniforms [B, T] for every position of ``ids`` [B, T], the
+    padding's too (its outputs are dropped; uniforms [B, W <= T] padded with zeros): the LM head
+    then runs on as many rows as the call has, the rows a verify's head runs on, not a 1-row product."""
+    b, t = ids.shape
+    wide = np.zeros((b, t), np.float32)
+    wide[:, : uniforms.shape[1]] = uniforms
+    return np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)), wide
+
+
 @dataclass(frozen=True)
 class _Chunk:
     ids: np.ndarray  # [B, T] int64, right-padded
@@ -272,10 +282,11 @@ class EngineSession(SessionBase):
 
     def _target_next(self, tokens: list[int], pos: list[int], params: SamplingParams, uniforms) -> list[int]:
         b = self.batch_size
+        ids = padded_ids([[t] for t in tokens], self.min_tokens)
+        index, u = every_output(ids, _host(uniforms, b, 1))
         out = self._call("decode", {
-            "input_ids": padded_ids([[t] for t in tokens], self.min_tokens), "past_len": np.array(pos, np.int64),
-            "output_index": np.zeros((b, 1), np.int64), "temperature": np.full(b, params.temperature, np.float32),
-            "uniforms": _host(uniforms, b, 1)}, pos, [int(a) for a in self._active])
+            "input_ids": ids, "past_len": np.array(pos, np.int64), "output_index": index,
+            "temperature": np.full(b, params.temperature, np.float32), "uniforms": u}, pos, [int(a) for a in self._active])
         return out["next_tokens"][:, 0].tolist()
 
 
@@ -288,11 +299,10 @@ class EngineSession(SessionBase):
         _, count = self._padded(fed)
         ids = padded_ids(fed, self.min_tokens)
         b, width = len(fed), max(map(len, fed))  # the outputs wanted: every fed token's next
+        index, u = every_output(ids, _host(uniforms, b, width))
         out = self._call("decode", {
-            "input_ids": ids, "past_len": np.array(pos, np.int64),
-            "output_index": np.broadcast_to(np.arange(width, dtype=np.int64), (b, width)),
-            "temperature": np.full(b, params.temperature, np.float32), "uniforms": _host(uniforms, b, width)},
-            pos, count)
+            "input_ids": ids, "past_len": np.array(pos, np.int64), "output_index": index,
+            "temperature": np.full(b, params.temperature, np.float32), "uniforms": u}, pos, count)
         return [out["next_tokens"][row, : len(toks)].tolist() for row, toks in enumerate(fed)]
 
 

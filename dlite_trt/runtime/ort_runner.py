@@ -31,7 +31,7 @@ import numpy as np
 from dlite_trt.dtypes import NUMPY_NAMES, TORCH
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
-from dlite_trt.export.contract import kv_input
+from dlite_trt.export.contract import kv_input, present_output
 from dlite_trt.runtime.kv_cache import KVCache
 from dlite_trt.runtime.runner import RunnerBase
 
@@ -136,7 +136,11 @@ class OrtRunner(RunnerBase):
             io.bind_cpu_input(t.name, array)
         io.clear_binding_outputs()  # fresh outputs each run (shapes change; previous outputs stay valid)
         for t in spec.outputs:
-            io.bind_output(t.name, "cpu")
+            if (present := present_output(t.name)) is None:
+                io.bind_output(t.name, "cpu")
+            else:  # attention "gqa" writes in place: the output is the buffer its past_* input is bound to
+                buf = _layer_buffer(cache, *present)
+                io.bind_output(t.name, "cpu", 0, self._kv_dtype, tuple(buf.shape), buf.data_ptr())
         started = time.perf_counter()
         try:
             session.run_with_iobinding(io)
@@ -146,7 +150,7 @@ class OrtRunner(RunnerBase):
         del keep
         values = io.get_outputs()
         return {t.name: (v if t.name in DEVICE_OUTPUTS else v.numpy())
-                for t, v in zip(spec.outputs, values, strict=True)}
+                for t, v in zip(spec.outputs, values, strict=True) if present_output(t.name) is None}
 
     def _binding(self, graph: str, session: Any, cache: KVCache) -> Any:
         """The cache's IOBinding of ``graph``, its past_key.{i}/past_value.{i} bound to layer i's
@@ -156,14 +160,22 @@ class OrtRunner(RunnerBase):
         if held is not None and held[:4] == target:
             return held.io
         io = session.io_binding()
-        dtype = np.dtype(NUMPY_NAMES[self.manifest.dtype])
         for t in self.contract[graph].inputs:
             kv = kv_input(t.name)
             if kv is not None:
-                buf = (cache.k if kv[0] == "key" else cache.v)[kv[1]]  # contiguous [B, kvH, cap, D]
-                io.bind_input(t.name, "cpu", 0, dtype, tuple(buf.shape), buf.data_ptr())
+                buf = _layer_buffer(cache, *kv)
+                io.bind_input(t.name, "cpu", 0, self._kv_dtype, tuple(buf.shape), buf.data_ptr())
         cache.bindings[graph] = Binding(*target, io)
         return io
+
+    @property
+    def _kv_dtype(self) -> np.dtype:
+        return np.dtype(NUMPY_NAMES[self.manifest.dtype])
+
+
+def _layer_buffer(cache: KVCache, kind: str, layer: int) -> Any:
+    """Layer ``layer``'s contiguous [B, kvH, cap, D] slice of the cache's K or V buffer."""
+    return (cache.k if kind == "key" else cache.v)[layer]
 
 
 class Binding(NamedTuple):

@@ -33,7 +33,7 @@ import torch
 
 from dlite_trt.errors import DLiteError
 from dlite_trt.export.contract import SAMPLING_SUFFIX, cache_capacity_max
-from dlite_trt.runtime.engine import EngineGenerator, EngineSession, min_call_tokens, padded_ids
+from dlite_trt.runtime.engine import EngineGenerator, EngineSession, every_output, min_call_tokens, padded_ids
 from dlite_trt.runtime.kv_cache import GRANULE, KVCache
 from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig
 from dlite_trt.runtime.sampling import is_greedy
@@ -502,9 +502,10 @@ class _DecodeCalls:
             uniforms[i, : len(f)] = row.draws["uniforms"][0]
         past_len = np.array([len(r.tokens) - 1 for r in rows], np.int64)
         view.reserve(int(past_len.max()) + ids.shape[1], view.capacity)
+        index, uniforms = every_output(ids, uniforms)
         out = self.sched.counter.infer("decode", {
             "input_ids": ids, "past_len": past_len, "temperature": _temperatures(rows), "uniforms": uniforms,
-            "output_index": np.broadcast_to(np.arange(width, dtype=np.int64), (len(rows), width))}, view)
+            "output_index": index}, view)
         out = _outputs(out)
         view.write(out["new_key"], out["new_value"], past_len.tolist(), [len(f) for f in fed])
         results = []

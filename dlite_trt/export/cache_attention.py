@@ -1,0 +1,51 @@
+"""The ONNX Runtime lowering of ``dlite::CacheAttention`` (model/ops.py): GroupQueryAttention.
+
+An engine exported with attention "gqa" (export/contract.py) has one ``CacheAttention`` node per
+target layer, inputs (query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+query_seqlens) and outputs (output, present_key, present_value): exactly the inputs and outputs
+of ONNX Runtime's ``com.microsoft.GroupQueryAttention`` (query_seqlens is its input 16; the ones
+between, rotary caches, bias, norms, quantization scales, stay empty). The node is renamed in
+place. What the engine relies on (measured on ONNX Runtime 1.32, docs/engine.md):
+- with present_* bound to the memory of past_* (``runtime.ort_runner``) the op writes row b's
+  new entries at slots seqlens_k[b] + 1 - query_seqlens[b] .. seqlens_k[b] and reads the past
+  from the buffer: no cache-sized copy per call;
+- query_seqlens (every row's T, every row counted valid: a row of 0 or 1 valid tokens would take
+  other kernels) lets batches of several multi-token rows on a cache run; total_sequence_length
+  is then only an upper bound (the buffer's capacity);
+- every key is read from its own slot, so a verify's row j equals, bitwise, a two-token call at
+  that position (``tests/test_call_rows.py``).
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from dlite_trt.export.recurrence import DOMAIN
+from dlite_trt.model.ops import CACHE_ATTENTION_OP
+
+ORT_DOMAIN = "com.microsoft"
+ORT_OP = "GroupQueryAttention"
+QUERY_SEQLENS_INPUT = 16  # GroupQueryAttention's input index of query_seqlens
+
+
+def cache_attention_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == CACHE_ATTENTION_OP]
+
+
+def lower_cache_attention(model: onnx.ModelProto) -> int:
+    """Make every CacheAttention node a GroupQueryAttention (in place); returns how many."""
+    nodes = cache_attention_nodes(model)
+    for node in nodes:
+        if len(node.input) != 8 or len(node.output) != 3:
+            raise ValueError(f"{CACHE_ATTENTION_OP} node {node.name} has {len(node.input)} inputs and "
+                             f"{len(node.output)} outputs, expected 8 and 3")
+        *first, query_seqlens = node.input
+        node.domain, node.op_type = ORT_DOMAIN, ORT_OP
+        node.input[:] = [*first, *[""] * (QUERY_SEQLENS_INPUT - len(first)), query_seqlens]
+    if nodes and not any(op.domain == ORT_DOMAIN for op in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(ORT_DOMAIN, 1))
+    if not any(n.domain == DOMAIN for n in model.graph.node):  # the decode graph: nothing of ours is left
+        keep = [op for op in model.opset_import if op.domain != DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(keep)
+    return len(nodes)
