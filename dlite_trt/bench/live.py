@@ -1,8 +1,9 @@
-"""A method's live batch (``Run``): what bench/methods.py's methods and bench/peers.py's peers
-share, in a module of its own so that neither imports the other for it."""
+"""What bench/methods.py's methods and bench/peers.py's peers share, in a module of its own so
+that neither imports the other for it: a method's live batch (``Run``) and the thread count."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 
 from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent
@@ -29,3 +30,10 @@ class Run:
     def draft_state_bytes(self) -> int:
         """Bytes the drafter keeps per batch between steps."""
         return 0
+
+
+def default_threads() -> int:
+    """The bench's thread count when --threads is not given: the CPUs this process may run on.
+    Every method and peer gets the same count (each library's own default differs: ONNX Runtime
+    one per physical core, llama.cpp's bindings half the CPUs, torch its own)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -41,7 +41,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from dlite_trt.bench.live import Run
+from dlite_trt.bench.live import Run, default_threads
 from dlite_trt.bench.names import METHOD_TITLES, PEER_NAMES
 from dlite_trt.errors import DLiteError
 from dlite_trt.runtime.prompt_lookup import PromptLookupConfig
@@ -458,7 +458,7 @@ class _Backends:
 
             draft = None if lookup is None else LlamaPromptLookupDecoding(max_ngram_size=lookup.max_ngram,
                                                                           num_pred_tokens=lookup.num_tokens)
-            threads = self.source.threads or max(1, (os.cpu_count() or 2) // 2)
+            threads = self.source.threads or default_threads()
             self.log(f"peers: llama.cpp loads {self.source.gguf} (n_ctx {self.source.max_seq_len}, {threads} threads"
                      + (f", prompt lookup: {lookup.max_ngram}-grams, {lookup.num_tokens} tokens)" if lookup else ")"))
             self._llama[key] = CountingLlama(str(self.source.gguf), n_ctx=self.source.max_seq_len, n_threads=threads,

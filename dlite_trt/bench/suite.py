@@ -233,5 +233,5 @@ def machine(threads: int | None) -> dict:
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "python": platform.python_version(),
-            "onnxruntime_threads": threads or "default (one per physical core)",
+            "threads": threads or "each library's default",  # intra-op threads of every method and peer
             "torch_threads": torch.get_num_threads(), "ci": bool(os.environ.get("CI"))}

@@ -62,7 +62,9 @@ def _names(value: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]
               help="Context lengths for step cost vs context [--quick: 256,2048].")
 @click.option("--quick", is_flag=True, help="A run of about a minute: fewer, shorter tasks and samples.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the generated workloads.")
-@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads (default: one per core).")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="Intra-op threads of every method and peer (ONNX Runtime, onnxruntime-genai, llama.cpp, torch) "
+                   "[default: the CPUs this process may use].")
 @click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1), help="Longest n-gram matched.")
 @click.option("--ngram-min", default=2, show_default=True, type=click.IntRange(min=1), help="Shortest n-gram matched.")
 @VERIFY_DRAFTS
@@ -89,6 +91,7 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
         write_plots,
         write_records,
     )
+    from dlite_trt.bench.live import default_threads
     from dlite_trt.bench.suite import BenchSettings, run_bench
     from dlite_trt.bench.workloads import write_jsonl
     from dlite_trt.bundled import check_pair_options, pair_or_default
@@ -96,6 +99,10 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
 
     hf_logging.disable_progress_bar()
     check_pair_options(target, draft)
+    threads = threads or default_threads()  # one count for every method and peer, recorded in bench.json
+    import torch
+
+    torch.set_num_threads(threads)  # the reference generator and transformers' generate
     if ngram_min > ngram_max:
         raise click.BadParameter(f"--ngram-min {ngram_min} is above --ngram-max {ngram_max}",
                                  param_hint="'--ngram-min'")

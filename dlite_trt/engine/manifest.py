@@ -208,7 +208,8 @@ class Manifest:
                                   "the manifest is corrupt. Rebuild the engine.")
         if self.attention not in ATTENTIONS or (self.attention == "gqa" and self.backend != "onnxruntime"):
             raise EngineError(f"{where}: a {self.backend} engine with attention {self.attention!r} is not something this "
-                              f"dlite-trt runs ({ATTENTIONS}; gqa on onnxruntime). Rebuild the engine.")
+                              f"dlite-trt runs (attention {' or '.join(ATTENTIONS)}; gqa on onnxruntime only). "
+                              "Rebuild the engine.")
         want = engine_contract(self.target_spec, self.draft_config, self.limits, self.dtype, self.attention)
         if {n: g.to_dict() for n, g in want.items()} != {n: g.to_dict() for n, g in self.contract.items()}:
             raise EngineError(f"{where}: the I/O contract does not match the target/draft configs and limits it "
