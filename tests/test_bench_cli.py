@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
+from dlite_trt.bench.report import MIN_ROUNDS
 from dlite_trt.bench.suite import default_workloads
 from dlite_trt.bench.workloads import read_jsonl
 from dlite_trt.cli import main
@@ -50,6 +51,9 @@ def test_report_matches_its_schema(run):
     jsonschema.validate(report, schema)
     assert set(report["workloads"]) == {"chat", "agentic", "mine"}
     assert report["settings"]["quick"] is True
+    # --quick's generated agentic workload has enough tasks for its goals to be judged
+    assert report["goals"]["agentic"]["noise"]["dlite"]["rounds"] >= MIN_ROUNDS
+    assert report["machine"]["threads"] >= 1  # one count for every method
 
 
 def test_every_method_is_lossless_and_measured(run):

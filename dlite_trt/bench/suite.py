@@ -87,7 +87,8 @@ def default_workloads(names: Sequence[str], tokenizer: Any, *, seed: int, quick:
     if long_lengths is None:
         long_lengths = QUICK_LONG_CONTEXT_TOKENS if quick else LONG_CONTEXT_TOKENS
     makers = {
-        "agentic": lambda: agentic(files, seed=seed, sessions=1 if quick else 2, turns=2 if quick else 4),
+        # 3 sessions (tasks: the paired rounds), so that its goals are judged (report.MIN_ROUNDS)
+        "agentic": lambda: agentic(files, seed=seed, sessions=3, turns=2 if quick else 4),
         "long-context": lambda: long_context(files, tokenizer, seed=seed, lengths=long_lengths,
                                              answer_tokens=LONG_CONTEXT_ANSWER_TOKENS),
         "chat": lambda: chat(files, seed=seed, count=2 if quick else 4,
