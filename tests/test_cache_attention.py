@@ -21,10 +21,11 @@ from helpers import ARCH_TARGETS, draft_config, make_target, random_draft
 from dlite_trt.engine.build import BuildSettings, default_attention
 from dlite_trt.errors import ConfigError
 from dlite_trt.export.cache_attention import ORT_DOMAIN, ORT_OP, QUERY_SEQLENS_INPUT
-from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, dummy_inputs, engine_contract, kv_input, present_output
+from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, dummy_inputs, engine_contract, kv_input
 from dlite_trt.export.graphs import graph_module
 from dlite_trt.export.onnx_export import export_graph
 from dlite_trt.export.recurrence import DOMAIN
+from dlite_trt.runtime.ort_runner import run_in_place
 from dlite_trt.model.target import TargetAdapter
 
 VOCAB = 96
@@ -55,33 +56,6 @@ def pair(request, tmp_path_factory) -> Pair:
     return Pair(tmp_path_factory.mktemp(request.param), **arch)
 
 
-def _run_in_place(session: ort.InferenceSession, spec, feed: dict[str, np.ndarray]):
-    """One run as the runtime makes it: present_* bound to the past_* arrays (updated in place)."""
-    io = session.io_binding()
-    buffers = {}
-    for t in spec.inputs:
-        array = np.ascontiguousarray(feed[t.name])
-        if kv_input(t.name) is not None:
-            buffers[t.name] = array = array.copy()
-            io.bind_input(t.name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-        else:
-            io.bind_cpu_input(t.name, array)
-    for t in spec.outputs:
-        present = present_output(t.name)
-        if present is None:
-            io.bind_output(t.name, "cpu")
-        else:
-            array = buffers[f"past_{present[0]}.{present[1]}"]
-            io.bind_output(t.name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-    session.run_with_iobinding(io)
-    plain = [t.name for t in spec.outputs if present_output(t.name) is None]
-    got = {}
-    for name, value in zip([t.name for t in spec.outputs], io.get_outputs(), strict=True):
-        if name in plain:
-            got[name] = value.numpy()
-    return got, buffers
-
-
 @pytest.mark.parametrize("graph", GRAPH_NAMES)
 def test_gqa_graph_matches_eager_standard_ops(pair: Pair, graph: str) -> None:
     path = pair.export(graph)
@@ -93,7 +67,8 @@ def test_gqa_graph_matches_eager_standard_ops(pair: Pair, graph: str) -> None:
         with torch.no_grad():
             outs = graph_module(spec, pair.target, pair.draft)(*(torch.from_numpy(feed[n]) for n in spec.input_names))
         want = {n: t.numpy() for n, t in zip(spec.output_names, outs, strict=True)}
-        got, buffers = _run_in_place(session, pair.gqa[graph], feed)
+        buffers = {name: value.copy() for name, value in feed.items() if kv_input(name) is not None}
+        got = run_in_place(session, pair.gqa[graph], feed | buffers)
         assert set(got) == set(want)
         for name, value in want.items():
             where = f"{graph}.{name} at {sizes}"

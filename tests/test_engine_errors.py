@@ -26,6 +26,7 @@ from dlite_trt.engine.load import LoadedEngine, load_engine
 from dlite_trt.engine.manifest import (
     FORMAT_VERSION,
     MANIFEST,
+    READ_FORMAT_VERSIONS,
     checkpoint_sha256,
     load_manifest,
 )
@@ -174,8 +175,31 @@ def test_manifest_from_incompatible_version(runner, engine_copy):
     assert data["format_version"] == FORMAT_VERSION
     data["format_version"] = 999
     path.write_text(json.dumps(data))
-    assert_engine_error(engine_copy, runner, "engine format 999", f"reads format {FORMAT_VERSION}",
+    assert_engine_error(engine_copy, runner, "engine format 999", f"reads formats {READ_FORMAT_VERSIONS}",
                         "Rebuild the engine", "dlite-trt build")
+
+
+def test_a_format_3_manifest_is_attention_ops(engine_copy):
+    """Format 3 (before "attention"): read as attention "ops", its only kind; a format-3 manifest that
+    names an attention, or whose graphs return the cache buffers ("gqa"), is refused."""
+    import dataclasses
+
+    from dlite_trt.engine.manifest import Manifest
+    from dlite_trt.export.contract import engine_contract
+
+    data = json.loads((engine_copy / MANIFEST).read_text())
+    assert data["attention"] == "gqa" and data["format_version"] == FORMAT_VERSION == 4
+    with pytest.raises(EngineError, match="engine format 3"):
+        Manifest.from_dict(data | {"format_version": 3}, "m.json")
+    with pytest.raises(EngineError, match="I/O contract does not match"):
+        Manifest.from_dict({k: v for k, v in data.items() if k != "attention"} | {"format_version": 3}, "m.json")
+    gqa = Manifest.from_dict(data, "m.json")
+    ops = dataclasses.replace(gqa, attention="ops", contract=engine_contract(
+        gqa.target_spec, gqa.draft_config, gqa.limits, gqa.dtype, "ops")).to_dict()
+    old = {k: v for k, v in ops.items() if k != "attention"} | {"format_version": 3}
+    read = Manifest.from_dict(old, "m.json")
+    assert (read.attention, read.format_version) == ("ops", FORMAT_VERSION)
+    assert Manifest.from_dict(read.to_dict(), "m.json") == read  # written back as format 4
 
 
 def _edit(data: dict, path: list, value) -> None:

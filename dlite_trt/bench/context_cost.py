@@ -74,6 +74,7 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, drafts: int | Non
     from dlite_trt.export.contract import cache_capacity_max, dummy_inputs
     from dlite_trt.export.recurrence import OP_NAME
     from dlite_trt.model.draft import DLiteDraft
+    from dlite_trt.runtime.ort_runner import run_in_place
 
     manifest = load_manifest(engine_dir)
     draft_scopes = tuple(f"/{name}" for name, _ in DLiteDraft(manifest.draft_config).named_children())
@@ -97,7 +98,7 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, drafts: int | Non
         feeds[ctx]["past_len"][:] = ctx
     for _ in range(runs + warmup):  # contexts interleaved call by call: load bursts hit them all alike
         for ctx in contexts:
-            sessions[ctx].run(None, feeds[ctx])
+            run_in_place(sessions[ctx], spec, feeds[ctx])  # attention "gqa": the cache written in place
     rows = {}
     for ctx in contexts:
         profile = Path(sessions[ctx].end_profiling())
@@ -121,11 +122,15 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, drafts: int | Non
 
 
 def decode_feed(manifest: Any, sizes: dict[str, int], width: int, ctx: int, rng: Any) -> dict:
-    """Random inputs of a greedy ``decode`` call of ``width`` tokens after ``ctx`` cached ones."""
+    """Random inputs of a greedy ``decode`` call of ``width`` tokens after ``ctx`` cached ones, or
+    as many as the runtime feeds a call at least (a target-only step's token and its dummy:
+    ``runtime.engine.min_call_tokens``), every one's next token wanted (``every_output``)."""
     import numpy as np
 
     from dlite_trt.export.contract import dummy_inputs
+    from dlite_trt.runtime.engine import min_call_tokens
 
+    width = max(width, min_call_tokens(manifest))
     feed = dummy_inputs(manifest.contract["decode"], sizes | {"chunk": width, "outputs": width},
                         vocab_size=manifest.target_spec.vocab_size, rng=rng)
     feed["output_index"][:] = np.arange(width)

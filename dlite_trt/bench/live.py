@@ -33,7 +33,23 @@ class Run:
 
 
 def default_threads() -> int:
-    """The bench's thread count when --threads is not given: the CPUs this process may run on.
-    Every method and peer gets the same count (each library's own default differs: ONNX Runtime
-    one per physical core, llama.cpp's bindings half the CPUs, torch its own)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The bench's thread count when --threads is not given: one per physical core this process may
+    run on (ONNX Runtime's own default, what ``generate`` and ``serve`` run with), given to every
+    method and peer alike (their libraries' own defaults differ: llama.cpp's bindings take half
+    the CPUs, torch its own). From /proc/cpuinfo's (physical id, core id) of the CPUs in the
+    affinity mask; where those are not listed, every CPU counts."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores, entry = set(), {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in [*f, ""]:
+                key, _, value = line.partition(":")
+                if key.strip():
+                    entry[key.strip()] = value.strip()
+                elif entry:
+                    if int(entry.get("processor", -1)) in cpus and "core id" in entry:
+                        cores.add((entry.get("physical id"), entry["core id"]))
+                    entry = {}
+    except OSError:  # no /proc here: count CPUs
+        pass
+    return len(cores) or len(cpus)

@@ -64,7 +64,7 @@ def _names(value: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the generated workloads.")
 @click.option("--threads", type=click.IntRange(min=1),
               help="Intra-op threads of every method and peer (ONNX Runtime, onnxruntime-genai, llama.cpp, torch) "
-                   "[default: the CPUs this process may use].")
+                   "[default: one per physical core this process may use, as ONNX Runtime's own default].")
 @click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1), help="Longest n-gram matched.")
 @click.option("--ngram-min", default=2, show_default=True, type=click.IntRange(min=1), help="Shortest n-gram matched.")
 @VERIFY_DRAFTS

@@ -26,6 +26,7 @@ from dlite_trt.engine.manifest import (
     BACKEND_DTYPES,
     BACKEND_WEIGHTS,
     GRAPH_DIR,
+    GQA_BUILDS,
     MANIFEST,
     Manifest,
     WeightFormat,
@@ -36,6 +37,7 @@ from dlite_trt.engine.manifest import (
 )
 from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
+from dlite_trt.export.cache_attention import GQA_UNAVAILABLE, onnxruntime_takes_query_seqlens
 from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, EngineLimits, engine_contract
 from dlite_trt.export.int4 import ACCURACY_LEVELS, plan_int4, quantize_graph
 from dlite_trt.export.nbits_levels import default_accuracy_level
@@ -75,9 +77,11 @@ class BuildSettings:
             object.__setattr__(self, "attention", default_attention(self.backend, self.dtype))
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        if self.attention == "gqa" and (self.backend, self.dtype) != ("onnxruntime", "fp32"):
+        if self.attention == "gqa" and (self.backend, self.dtype) not in GQA_BUILDS:
             raise ConfigError(f"attention 'gqa' is ONNX Runtime's GroupQueryAttention in fp32 (and int4) engines, not "
                               f"a {self.backend} {self.dtype} one; use attention 'ops'")
+        if self.attention == "gqa" and not onnxruntime_takes_query_seqlens():
+            raise ConfigError(GQA_UNAVAILABLE)
         if self.int4_accuracy_level is None:
             object.__setattr__(self, "int4_accuracy_level", default_accuracy_level(self.attention))
         if self.int4_accuracy_level not in ACCURACY_LEVELS:
@@ -86,8 +90,8 @@ class BuildSettings:
 
 
 def default_attention(backend: str, dtype: str) -> str:
-    """GroupQueryAttention where it runs (ONNX Runtime, fp32 activations), standard ops elsewhere."""
-    return "gqa" if (backend, dtype) == ("onnxruntime", "fp32") else "ops"
+    """GroupQueryAttention where it runs (ONNX Runtime with query_seqlens, fp32 activations), standard ops elsewhere."""
+    return "gqa" if (backend, dtype) in GQA_BUILDS and onnxruntime_takes_query_seqlens() else "ops"
 
 
 def package_versions() -> dict[str, str]:

@@ -26,11 +26,15 @@ from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TargetSource
 
 MANIFEST = "manifest.json"
 FORMAT = "dlite-trt-engine"
-FORMAT_VERSION = 3  # bump when the graph I/O or directory layout changes incompatibly
+FORMAT_VERSION = 4  # bump when the graph I/O or directory layout changes incompatibly
+# 4: "attention" (its "gqa" graphs return the cache buffers they write); a format-3 engine is read as
+# attention "ops", the only one it has
+READ_FORMAT_VERSIONS = (3, FORMAT_VERSION)
 GRAPH_DIR = "graphs"  # graphs/{name}.onnx, graphs/{name}.ort.onnx, graphs/weights.bin
 HASH_AT_LOAD_MAX_BYTES = 64 << 20  # files up to this size are hashed on every load; larger ones on verify
 BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16"), "tensorrt": ("fp32", "fp16", "bf16")}  # what each builds
 BACKEND_WEIGHTS = {"onnxruntime": WEIGHT_FORMATS, "tensorrt": ("float",)}  # int4: MatMulNBits, ONNX Runtime only
+GQA_BUILDS = (("onnxruntime", "fp32"),)  # (backend, dtype) of engines attention "gqa" runs in (int4 included)
 
 
 WEIGHT_ORIGINS = ("gguf", "round-to-nearest")  # int4: the GGUF's own blocks, or quantized at build
@@ -206,10 +210,10 @@ class Manifest:
             if missing:
                 raise EngineError(f"{where}: graph files {missing} of {name} are not among the manifest's hashed files; "
                                   "the manifest is corrupt. Rebuild the engine.")
-        if self.attention not in ATTENTIONS or (self.attention == "gqa" and self.backend != "onnxruntime"):
-            raise EngineError(f"{where}: a {self.backend} engine with attention {self.attention!r} is not something this "
-                              f"dlite-trt runs (attention {' or '.join(ATTENTIONS)}; gqa on onnxruntime only). "
-                              "Rebuild the engine.")
+        if self.attention not in ATTENTIONS or (self.attention == "gqa" and (self.backend, self.dtype) not in GQA_BUILDS):
+            raise EngineError(f"{where}: a {self.backend} {self.dtype} engine with attention {self.attention!r} is not "
+                              f"something this dlite-trt runs (attention {' or '.join(ATTENTIONS)}; gqa in "
+                              f"{GQA_BUILDS}). Rebuild the engine.")
         want = engine_contract(self.target_spec, self.draft_config, self.limits, self.dtype, self.attention)
         if {n: g.to_dict() for n, g in want.items()} != {n: g.to_dict() for n, g in self.contract.items()}:
             raise EngineError(f"{where}: the I/O contract does not match the target/draft configs and limits it "
@@ -221,11 +225,11 @@ class Manifest:
             if data.get("format") != FORMAT:
                 raise EngineError(f"{where} is not a dlite-trt engine manifest (format={data.get('format')!r}).")
             version = data.get("format_version")
-            if version != FORMAT_VERSION:
+            if version not in READ_FORMAT_VERSIONS or (version < 4) == ("attention" in data):
                 raise EngineError(
                     f"{where} was written by dlite-trt {data.get('dlite_trt_version', '?')} in engine format "
-                    f"{version}; this dlite-trt {__version__} reads format {FORMAT_VERSION}. Rebuild the engine "
-                    "with `dlite-trt build`.")
+                    f"{version}; this dlite-trt {__version__} reads formats {READ_FORMAT_VERSIONS}. Rebuild the "
+                    "engine with `dlite-trt build`.")
             manifest = cls(
                 backend=data["backend"], dtype=data["dtype"], limits=EngineLimits(**data["limits"]),
                 target_name=data["target"]["name"],
@@ -238,8 +242,9 @@ class Manifest:
                 files=dict(data["files"]), versions=dict(data["versions"]), build=dict(data["build"]),
                 # absent: an engine built before weight formats, all float
                 weights=WeightFormat.from_dict(data["weights"], where) if "weights" in data else WeightFormat(),
-                attention=data.get("attention", "ops"),  # absent: an engine built before "gqa"
-                dlite_trt_version=data["dlite_trt_version"], format_version=version)
+                attention=data.get("attention", "ops"),  # format 3: built before "gqa"
+                # a format-3 engine is a format-4 one with attention "ops" (written back as such)
+                dlite_trt_version=data["dlite_trt_version"], format_version=FORMAT_VERSION)
             manifest.check_consistent(where)
             if data["draft"].get("draft_vocab_size", manifest.draft_config.draft_vocab_size) \
                     != manifest.draft_config.draft_vocab_size:

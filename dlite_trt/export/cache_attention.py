@@ -18,6 +18,8 @@ place. What the engine relies on (measured on ONNX Runtime 1.32, docs/engine.md)
 
 from __future__ import annotations
 
+import functools
+
 import onnx
 
 from dlite_trt.export.recurrence import DOMAIN
@@ -49,3 +51,18 @@ def lower_cache_attention(model: onnx.ModelProto) -> int:
         del model.opset_import[:]
         model.opset_import.extend(keep)
     return len(nodes)
+
+
+@functools.cache
+def onnxruntime_takes_query_seqlens() -> bool:
+    """Whether the installed ONNX Runtime's GroupQueryAttention has query_seqlens (its input 16),
+    which attention "gqa" needs (older versions refuse batches of multi-token rows on a cache)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    schemas = [s for s in ort_state.get_all_operator_schema() if (s.domain, s.name) == (ORT_DOMAIN, ORT_OP)]
+    return any(len(s.inputs) > QUERY_SEQLENS_INPUT and s.inputs[QUERY_SEQLENS_INPUT].name == "query_seqlens"
+               for s in schemas)
+
+
+GQA_UNAVAILABLE = ("the installed onnxruntime's GroupQueryAttention has no query_seqlens input (attention \"gqa\" "
+                   "needs it; 1.32 has it): upgrade onnxruntime, or build with --attention ops")

@@ -124,7 +124,7 @@ def export_graph(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft, pat
             lower_for_onnxruntime(model, body)
         elif module.uses_draft:
             lower_for_tensorrt(model)
-        # decode has no draft: both lowerings are the same standard-op graph
+        # decode has no draft: its lowerings differ only in the attention ("gqa": ONNX Runtime only)
         onnx.load_external_data_for_model(model, tmp)
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=1024)

@@ -159,7 +159,12 @@ class EngineSession(SessionBase):
         what max_new_tokens would let them reach."""
         ids = feeds["block"] if "block" in feeds else feeds["input_ids"]  # [B, T]
         limit = cache_capacity_max(self.gen.manifest.limits, self.gen.cfg.block_size)
-        self.cache.reserve(int(feeds["past_len"].max()) + ids.shape[1], limit)
+        longest = int(feeds["past_len"].max())
+        if longest + ids.shape[1] > limit:  # rows of a batch share the call's width T, padding included
+            raise EngineError(f"a {graph} call of {ids.shape[1]} tokens on a sequence of {longest} cached tokens needs "
+                              f"{longest + ids.shape[1]} KV slots, past the engine's {limit}: batch prompts of "
+                              "similar length together, or rebuild the engine with a larger --max-seq-len.")
+        self.cache.reserve(longest + ids.shape[1], limit)
         return self.runner.infer(graph, feeds, self.cache)
 
     def _call(self, graph: str, feeds: dict[str, Any], start: list[int], count: list[int]) -> dict[str, Any]:

@@ -5,10 +5,13 @@ byte boundary (TensorRT takes tensor addresses aligned to 256 bytes), the layers
 in one allocation. A forward reads a view of the first P entries and
 returns only its new entries; ``write`` copies those into each sequence's slots. Entries past
 a sequence's valid length (rejected drafts, padding) are never read: the attention mask
-stops at ``past_len``, and the next write overwrites them.
+stops at ``past_len``, and the next write overwrites them. (An ONNX Runtime engine with
+attention "gqa" also writes all of a call's entries there itself, in place; the same holds.)
 
 Engines bind each layer's whole [B, kvH, capacity, D] slice (a prefix of the capacity axis is
-not contiguous), so a call attends over the capacity: ``reserve`` keeps it at what the
+not contiguous), so a call over attention "ops" attends over the capacity (one over "gqa"
+reads each row up to its length, but must have room for its T new entries past it):
+``reserve`` keeps it at what the
 sequences hold rounded up to a granule of 128 slots, instead of what they may reach. Growing
 copies the cache once per granule of tokens: at a context of C slots that is C / 128 slots'
 worth of copying per token, under 1% of a step's memory traffic for the models served here,

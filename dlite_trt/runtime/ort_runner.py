@@ -4,8 +4,9 @@ A session's target KV cache (``runtime.kv_cache.KVCache`` on the CPU) is one pre
 buffer per K and V, [L, B, kvH, cap, D]. Each graph input ``past_key.{i}`` is bound (IOBinding)
 to layer i's contiguous slice of that buffer, so no call copies the cache; ``KVCache.write``
 stores only the entries a call keeps (the accepted block, a prefill chunk): O(block) per
-step. Rejected entries are never written: they are discarded by the sequences' lengths
-(``past_len``).
+step. With attention "gqa" the graph itself writes all of a call's entries in place
+(``present_key.{i}`` bound to the same memory); rejected ones then sit past the sequence's
+length (``past_len``), which is what discards them, and the next call overwrites them.
 
 Threads: one runner (one engine) may serve several threads at once. ONNX Runtime's
 ``InferenceSession`` runs concurrently; what a call binds (an IOBinding per graph) belongs to
@@ -31,6 +32,7 @@ import numpy as np
 from dlite_trt.dtypes import NUMPY_NAMES, TORCH
 from dlite_trt.engine.manifest import Manifest
 from dlite_trt.errors import EngineError
+from dlite_trt.export.cache_attention import GQA_UNAVAILABLE, onnxruntime_takes_query_seqlens
 from dlite_trt.export.contract import kv_input, present_output
 from dlite_trt.runtime.kv_cache import KVCache
 from dlite_trt.runtime.runner import RunnerBase
@@ -42,6 +44,8 @@ class OrtRunner(RunnerBase):
     def __init__(self, engine_dir: Path, manifest: Manifest, *, threads: int | None = None) -> None:
         if manifest.backend != "onnxruntime":
             raise EngineError(f"{engine_dir} is a {manifest.backend} engine, not an ONNX Runtime one.")
+        if manifest.attention == "gqa" and not onnxruntime_takes_query_seqlens():
+            raise EngineError(f"{engine_dir} attends through GroupQueryAttention, but {GQA_UNAVAILABLE}.")
         self.engine_dir = Path(engine_dir)
         self.manifest = manifest
         self.contract = manifest.contract
@@ -121,6 +125,8 @@ class OrtRunner(RunnerBase):
 
         spec = self.contract[graph]
         session = self._session(graph)
+        if self.manifest.attention == "gqa":
+            _check_room(graph, feeds, cache)
         io = self._binding(graph, session, cache)
         keep = []  # bound host arrays must outlive the run
         for t in self._host_inputs[graph]:
@@ -171,6 +177,41 @@ class OrtRunner(RunnerBase):
     @property
     def _kv_dtype(self) -> np.dtype:
         return np.dtype(NUMPY_NAMES[self.manifest.dtype])
+
+
+def run_in_place(session: Any, spec: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One run of a plain ``InferenceSession`` of graph ``spec`` (a ``GraphSpec``) on numpy feeds, as
+    the runtime runs it: each ``present_*`` output (attention "gqa") bound to its ``past_*``
+    array, which the call then updates in place. Returns the other outputs by name."""
+    io = session.io_binding()
+    for t in spec.inputs:
+        array = feeds[t.name]
+        if kv_input(t.name) is not None:
+            if not array.flags.c_contiguous:
+                raise ValueError(f"{t.name} must be C-contiguous: the call writes it in place")
+            io.bind_input(t.name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        else:
+            io.bind_cpu_input(t.name, np.ascontiguousarray(array))
+    for t in spec.outputs:
+        present = present_output(t.name)
+        if present is None:
+            io.bind_output(t.name, "cpu")
+        else:
+            array = feeds[f"past_{present[0]}.{present[1]}"]
+            io.bind_output(t.name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+    session.run_with_iobinding(io)
+    return {t.name: v.numpy() for t, v in zip(spec.outputs, io.get_outputs(), strict=True)
+            if present_output(t.name) is None}
+
+
+def _check_room(graph: str, feeds: Mapping[str, Any], cache: KVCache) -> None:
+    """Attention "gqa" writes every row's T entries at past_len.. into the buffer: they must fit
+    (callers reserve first; this is the guard that no overflow reaches the kernel)."""
+    tokens = feeds["block"] if "block" in feeds else feeds["input_ids"]
+    needed = int(np.max(feeds["past_len"])) + int(np.shape(tokens)[1])
+    if needed > cache.capacity:
+        raise EngineError(f"{graph}: a call writing up to slot {needed} of a KV cache of {cache.capacity} slots; "
+                          "reserve room first (KVCache.reserve)")
 
 
 def _layer_buffer(cache: KVCache, kind: str, layer: int) -> Any:
