@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import ARCH_TARGETS, draft_config, make_target, random_draft
 
-from dlite_trt.engine.build import BuildSettings, default_attention
+from dlite_trt.engine.build import BuildSettings, default_attention, resolve
 from dlite_trt.errors import ConfigError
 from dlite_trt.export.cache_attention import ORT_DOMAIN, ORT_OP, QUERY_SEQLENS_INPUT
 from dlite_trt.export.contract import GRAPH_NAMES, EngineLimits, dummy_inputs, engine_contract, kv_input
@@ -102,10 +102,15 @@ def test_lowered_nodes(pair: Pair) -> None:
 
 
 def test_where_gqa_is_built() -> None:
-    assert default_attention("onnxruntime", "fp32") == "gqa" == BuildSettings(weights="int4").attention
-    assert default_attention("onnxruntime", "fp16") == "ops" == BuildSettings(dtype="fp16").attention
-    assert default_attention("tensorrt", "fp32") == "ops"
-    assert BuildSettings(attention="ops").attention == "ops"
+    assert default_attention("onnxruntime", "fp32", 64) == "gqa" == resolve(BuildSettings(weights="int4"), 64).attention
+    assert resolve(BuildSettings(weights="int4"), 64).int4_accuracy_level == 4  # lossless with gqa: the fastest
+    assert resolve(BuildSettings(weights="int4", attention="ops"), 64).int4_accuracy_level == 0
+    assert default_attention("onnxruntime", "fp32", 12) == "ops"  # the kernel takes head_dim % 8 == 0 only
+    assert default_attention("onnxruntime", "fp16", 64) == "ops" == resolve(BuildSettings(dtype="fp16"), 64).attention
+    assert default_attention("tensorrt", "fp32", 64) == "ops"
+    assert resolve(BuildSettings(attention="ops"), 64).attention == "ops"
+    with pytest.raises(ConfigError, match="multiple of 8, this target's is 12"):
+        resolve(BuildSettings(attention="gqa"), 12)
     with pytest.raises(ConfigError, match="GroupQueryAttention"):
         BuildSettings(backend="tensorrt", attention="gqa")
     with pytest.raises(ConfigError, match="GroupQueryAttention"):

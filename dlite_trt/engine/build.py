@@ -37,7 +37,7 @@ from dlite_trt.engine.manifest import (
 )
 from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
-from dlite_trt.export.cache_attention import GQA_UNAVAILABLE, onnxruntime_takes_query_seqlens
+from dlite_trt.export.cache_attention import GQA_HEAD_DIM_MULTIPLE, GQA_UNAVAILABLE, onnxruntime_takes_query_seqlens
 from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, EngineLimits, engine_contract
 from dlite_trt.export.int4 import ACCURACY_LEVELS, plan_int4, quantize_graph
 from dlite_trt.export.nbits_levels import default_accuracy_level
@@ -51,9 +51,10 @@ class BuildSettings:
     backend: str = "onnxruntime"
     dtype: str = "fp32"  # activations and KV cache (and every weight, unless `weights` says otherwise)
     weights: str = "float"  # "int4": the target's projections 4-bit weight-only (export/int4.py)
-    # int4: MatMulNBits accuracy_level, 4 (and an 8-bit head) or 0; None: default_accuracy_level(attention)
+    # int4: MatMulNBits accuracy_level, 4 (and an 8-bit head) or 0; None: default_accuracy_level(attention), at build
     int4_accuracy_level: int | None = None
-    # how the target attends over the KV cache (export/contract.py ATTENTIONS); None: default_attention()
+    # how the target attends over the KV cache (export/contract.py ATTENTIONS); None: default_attention(),
+    # chosen at build time (it depends on the target's head_dim)
     attention: str | None = None
     limits: EngineLimits = EngineLimits()
     random_weights: bool = False
@@ -73,25 +74,34 @@ class BuildSettings:
                               f"{self.weights!r} (int4 runs on ONNX Runtime's MatMulNBits)")
         if self.weights == "int4" and self.dtype != "fp32":
             raise ConfigError(f"int4 weights run with fp32 activations, not {self.dtype}")
-        if self.attention is None:
-            object.__setattr__(self, "attention", default_attention(self.backend, self.dtype))
-        if self.attention not in ATTENTIONS:
+        if self.attention is not None and self.attention not in ATTENTIONS:
             raise ConfigError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.attention == "gqa" and (self.backend, self.dtype) not in GQA_BUILDS:
             raise ConfigError(f"attention 'gqa' is ONNX Runtime's GroupQueryAttention in fp32 (and int4) engines, not "
                               f"a {self.backend} {self.dtype} one; use attention 'ops'")
         if self.attention == "gqa" and not onnxruntime_takes_query_seqlens():
             raise ConfigError(GQA_UNAVAILABLE)
-        if self.int4_accuracy_level is None:
-            object.__setattr__(self, "int4_accuracy_level", default_accuracy_level(self.attention))
-        if self.int4_accuracy_level not in ACCURACY_LEVELS:
+        if self.int4_accuracy_level is not None and self.int4_accuracy_level not in ACCURACY_LEVELS:
             raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got "
                               f"{self.int4_accuracy_level!r}")
 
 
-def default_attention(backend: str, dtype: str) -> str:
-    """GroupQueryAttention where it runs (ONNX Runtime with query_seqlens, fp32 activations), standard ops elsewhere."""
-    return "gqa" if (backend, dtype) in GQA_BUILDS and onnxruntime_takes_query_seqlens() else "ops"
+def default_attention(backend: str, dtype: str, head_dim: int) -> str:
+    """GroupQueryAttention where it runs (ONNX Runtime with query_seqlens, fp32 activations, a head_dim
+    its CPU kernel takes), standard ops elsewhere."""
+    runs = (backend, dtype) in GQA_BUILDS and head_dim % GQA_HEAD_DIM_MULTIPLE == 0
+    return "gqa" if runs and onnxruntime_takes_query_seqlens() else "ops"
+
+
+def resolve(settings: BuildSettings, head_dim: int) -> BuildSettings:
+    """``settings`` with the attention and the int4 accuracy level chosen for a target of ``head_dim``
+    (their defaults where not given: ``default_attention``, ``default_accuracy_level``)."""
+    attention = settings.attention or default_attention(settings.backend, settings.dtype, head_dim)
+    if attention == "gqa" and head_dim % GQA_HEAD_DIM_MULTIPLE:
+        raise ConfigError(f"attention 'gqa': ONNX Runtime's GroupQueryAttention takes a head_dim that is a multiple "
+                          f"of {GQA_HEAD_DIM_MULTIPLE}, this target's is {head_dim}; use attention 'ops'")
+    level = default_accuracy_level(attention) if settings.int4_accuracy_level is None else settings.int4_accuracy_level
+    return replace(settings, attention=attention, int4_accuracy_level=level)
 
 
 def package_versions() -> dict[str, str]:
@@ -182,6 +192,7 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
         if limits.max_seq_len > spec.max_position_embeddings:
             raise ConfigError(f"--max-seq-len {limits.max_seq_len} is past the target's max_position_embeddings="
                               f"{spec.max_position_embeddings}; lower it.")
+        settings = resolve(settings, spec.head_dim)
         contract = engine_contract(spec, cfg, limits, settings.dtype, settings.attention)
         plan, weights = None, WeightFormat()
         if int4:

@@ -28,6 +28,7 @@ from dlite_trt.model.ops import CACHE_ATTENTION_OP
 ORT_DOMAIN = "com.microsoft"
 ORT_OP = "GroupQueryAttention"
 QUERY_SEQLENS_INPUT = 16  # GroupQueryAttention's input index of query_seqlens
+GQA_HEAD_DIM_MULTIPLE = 8  # its CPU kernel refuses other head sizes ("head_size must be a multiple of 8")
 
 
 def cache_attention_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
