@@ -236,5 +236,7 @@ def test_bench_serve_replays_a_tool_using_agent(scripted, tmp_path):
     assert report["workload"] == "tool-using agent" and report["greedy_mismatches"] == 0
     turns = report["configs"]["dlite/reuse"]["by_concurrency"]["1"]["turns"]
     assert len(turns) == CALLS_PER_ASK + 1 == report["turns"] and report["turns_cut_to_fit_the_engine"] == 0
+    assert [t["tool_calls"] for t in turns] == [1] * CALLS_PER_ASK + [0]  # calls, then the answer (tool_choice none)
+    assert report["configs"]["dlite/reuse"]["by_concurrency"]["1"]["tool_calls"] == CALLS_PER_ASK
     assert all(t["cached_tokens"] > 0 for t in turns[1:]) and turns[-1]["prompt_tokens"] > turns[0]["prompt_tokens"]
     assert set(report["configs"]) == {"dlite/reuse", "none/reuse"}

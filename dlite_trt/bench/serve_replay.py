@@ -42,6 +42,7 @@ class TurnRecord:
     accepted: int
     proposed: int
     output_ids: list[int] = field(repr=False, default_factory=list)
+    tool_calls: int = 0  # the tool-using replay: calls the response made (parsed by the server)
 
     @property
     def tpot_s(self) -> float | None:
@@ -144,7 +145,7 @@ def replay_tools(client: Any, model: str, sessions: Sequence[Any], concurrency: 
                     records.append(TurnRecord(session.task_id, request, usage["prompt_tokens"],
                                               usage["prompt_tokens_details"]["cached_tokens"], len(ids), ttft,
                                               seconds, spec["steps"], spec["accepted_draft_tokens"],
-                                              spec["proposed_draft_tokens"], ids))
+                                              spec["proposed_draft_tokens"], ids, len(calls)))
                 request += 1
                 messages.append({"role": "assistant", "content": content or None,
                                  **({"tool_calls": calls} if calls else {})})
@@ -196,7 +197,7 @@ def replay(client: Any, model: str, sessions: Sequence[Task], tokenizer: Any, co
                     records.append(TurnRecord(task.task_id, t, len(context),
                                               usage["prompt_tokens_details"]["cached_tokens"], len(ids), ttft,
                                               seconds, spec["steps"], spec["accepted_draft_tokens"],
-                                              spec["proposed_draft_tokens"], ids))
+                                              spec["proposed_draft_tokens"], ids, len(calls)))
                 context += ids
 
     started = time.perf_counter()
@@ -246,6 +247,7 @@ def summarize(records: list[TurnRecord], wall: float) -> dict[str, Any]:
                                        / max(1, sum(r.prompt_tokens for r in records)), 4),
         "reused_tokens": sum(r.cached_tokens for r in records),
         "prompt_tokens": sum(r.prompt_tokens for r in records),
+        "tool_calls": sum(r.tool_calls for r in records),
         "mean_acceptance_length": round(sum(r.output_tokens - 1 for r in records) / steps, 4) if steps else None,
         "ttft_by_turn_s": {str(t): statistics.median(r.ttft_s for r in records if r.turn == t) for t in turns},
         "prompt_tokens_by_turn": {str(t): statistics.median(r.prompt_tokens for r in records if r.turn == t)
