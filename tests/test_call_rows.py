@@ -27,7 +27,7 @@ def engine(request, tmp_path_factory):
     settings = {"fp32": {}, "int4-level-4": {"weights": "int4", "int4_accuracy_level": INT8_ACTIVATIONS}}
     out = tmp_path_factory.mktemp(request.param) / "engine"
     build_engine(*bundled_pair(), out, BuildSettings(limits=EngineLimits(max_batch=2, max_seq_len=256, max_chunk=32),
-                                                     **settings[request.param]), progress=False)
+                                                     attention="gqa", **settings[request.param]), progress=False)
     return open_engine(out, threads=1)
 
 

@@ -188,14 +188,15 @@ def test_a_format_3_manifest_is_attention_ops(engine_copy):
     from dlite_trt.export.contract import engine_contract
 
     data = json.loads((engine_copy / MANIFEST).read_text())
-    assert data["attention"] == "gqa" and data["format_version"] == FORMAT_VERSION == 4
+    assert data["attention"] == "ops" and data["format_version"] == FORMAT_VERSION == 4  # fp32: ops by default
     with pytest.raises(EngineError, match="engine format 3"):
         Manifest.from_dict(data | {"format_version": 3}, "m.json")
+    built = Manifest.from_dict(data, "m.json")
+    gqa = dataclasses.replace(built, attention="gqa", contract=engine_contract(
+        built.target_spec, built.draft_config, built.limits, built.dtype, "gqa")).to_dict()
     with pytest.raises(EngineError, match="I/O contract does not match"):
-        Manifest.from_dict({k: v for k, v in data.items() if k != "attention"} | {"format_version": 3}, "m.json")
-    gqa = Manifest.from_dict(data, "m.json")
-    ops = dataclasses.replace(gqa, attention="ops", contract=engine_contract(
-        gqa.target_spec, gqa.draft_config, gqa.limits, gqa.dtype, "ops")).to_dict()
+        Manifest.from_dict({k: v for k, v in gqa.items() if k != "attention"} | {"format_version": 3}, "m.json")
+    ops = built.to_dict()
     old = {k: v for k, v in ops.items() if k != "attention"} | {"format_version": 3}
     read = Manifest.from_dict(old, "m.json")
     assert (read.attention, read.format_version) == ("ops", FORMAT_VERSION)

@@ -26,7 +26,7 @@ The accuracy level (``ACCURACY_LEVELS``, a build setting recorded in the manifes
      |w| (tests/test_int4.py measures ~0.12 of that bound). That rounding also turns fp32-level
      differences between a step call and a decode call into int8-sized ones, so greedy speculative
      output equals target-only greedy only where a verify and a decode call compute every
-     position alike: with attention "gqa" (the default, and then this level is), not over "ops";
+     position alike: with attention "gqa" (the int4 default, and then this level is), not over "ops";
   0: fp32 compute on the dequantized weights (weight-only): each output as exact as a float
      MatMul of the same weights, other rounding; ~0.85x the fp32 decode call here.
 
