@@ -52,6 +52,7 @@ class OrtRunner(RunnerBase):
         self.threads = threads
         self.sessions: dict[str, Any] = {}
         self._host_inputs: dict[str, list] = {}  # graph -> its non-cache input specs
+        self._presents: dict[str, dict] = {}  # graph -> output -> present_output(output)
         self._loading = threading.Lock()  # two threads' first calls of a graph load it once
         self._identity = self._file_identity()  # graphs load lazily: they must come from this same build
 
@@ -84,6 +85,8 @@ class OrtRunner(RunnerBase):
                               "an incompatible version; rebuild it with `dlite-trt build`.") from exc
         self._check_io(name, session, path)
         self._host_inputs[name] = [t for t in self.contract[name].inputs if kv_input(t.name) is None]
+        # output -> (kind, layer) of the cache buffer it is (attention "gqa"), or None: read once, not per call
+        self._presents[name] = {t.name: present_output(t.name) for t in self.contract[name].outputs}
         self.sessions[name] = session  # last: other threads read it without the lock
 
     def _file_identity(self) -> dict[str, tuple[int, int, int]]:
@@ -141,8 +144,9 @@ class OrtRunner(RunnerBase):
             keep.append(array)
             io.bind_cpu_input(t.name, array)
         io.clear_binding_outputs()  # fresh outputs each run (shapes change; previous outputs stay valid)
+        presents = self._presents[graph]
         for t in spec.outputs:
-            if (present := present_output(t.name)) is None:
+            if (present := presents[t.name]) is None:
                 io.bind_output(t.name, "cpu")
             else:  # attention "gqa" writes in place: the output is the buffer its past_* input is bound to
                 buf = _layer_buffer(cache, *present)
@@ -156,7 +160,7 @@ class OrtRunner(RunnerBase):
         del keep
         values = io.get_outputs()
         return {t.name: (v if t.name in DEVICE_OUTPUTS else v.numpy())
-                for t, v in zip(spec.outputs, values, strict=True) if present_output(t.name) is None}
+                for t, v in zip(spec.outputs, values, strict=True) if presents[t.name] is None}
 
     def _binding(self, graph: str, session: Any, cache: KVCache) -> Any:
         """The cache's IOBinding of ``graph``, its past_key.{i}/past_value.{i} bound to layer i's
