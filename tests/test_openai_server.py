@@ -476,6 +476,43 @@ def test_the_servers_own_baselines(engine, oracle, code, method):
         server.stop()
 
 
+@pytest.mark.parametrize("speculative", ["dlite", "dlite-ngram"])
+def test_each_batch_size_verifies_its_calibrated_width(engine, oracle, code, tmp_path, speculative):
+    """verify_width.json's per-batch widths drive the scheduler: a batch of one that calibrated to 2
+    verifies 2 drafts a step; batch sizes that calibrated to 0 decode on the decode graph with no
+    draft (counted as skipped); the output is target-only greedy's either way, across the switches."""
+    import shutil
+
+    from dlite_trt.runtime import verify_width
+
+    greedy, _ = oracle
+    copy = tmp_path / "engine"
+    shutil.copytree(engine, copy)
+    k_max = 7
+    ms = {k: 1.0 + k for k in range(1, k_max + 1)}
+    planted = verify_width.WidthChoice(2, (0.5,) * k_max, ms, 1.0, "planted", {
+        1: verify_width.BatchWidth(2, ms, 1.0), 2: verify_width.BatchWidth(0, ms, 1.0)})
+    verify_width.save(copy, planted)
+    server = Server(copy, "--speculative", speculative)
+    try:
+        prompt = code[4][:60]
+        ids, _, r = _complete(server, prompt, 30)
+        assert ids == greedy(prompt, 30)
+        m = server.metrics()
+        if speculative == "dlite":  # alone: every step verified exactly 2 drafts
+            assert r["speculative"]["proposed_draft_tokens"] == 2 * m['dlite_engine_calls_total{graph="step"}'] > 0
+            assert m.get("dlite_draft_skipped_total", 0) == 0
+        prompts = [code[i][:40 + 8 * i] for i in range(4)]
+        with ThreadPoolExecutor(4) as pool:  # they join one batch: widths 0 (2..4 rows) and 2 (the last one left)
+            outs = list(pool.map(lambda p: _complete(server, p, 40)[0], prompts))
+        assert outs == [greedy(p, 40) for p in prompts]
+        after = server.metrics()
+        assert after["dlite_draft_skipped_total"] > m.get("dlite_draft_skipped_total", 0)
+        assert after['dlite_engine_calls_total{graph="decode"}'] > m.get('dlite_engine_calls_total{graph="decode"}', 0)
+    finally:
+        server.stop()
+
+
 def test_sigint_stops_the_server_and_leaves_nothing(engine, oracle):
     greedy, _ = oracle
     server = Server(engine)

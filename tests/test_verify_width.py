@@ -68,6 +68,31 @@ def test_choice_refuses_bad_inputs():
         verify_width.choose({}, [0.5])
 
 
+def test_each_batch_size_gets_its_own_width_down_to_plain_decoding():
+    """Per batch size, the k in 0..K with the most tokens per ms (0: a decode call, one token); a
+    batch between calibrated sizes takes the next larger one's; a drafting session takes k >= 1."""
+    curve = [0.5, 0.25, 0.1]
+    batch_ms = {1: ({1: 1.2, 2: 1.3, 3: 1.6}, 1.0),  # tokens/ms 1.25, 1.346, 1.156; decode 1.0: k = 2
+                2: ({1: 1.6, 2: 1.9, 3: 2.2}, 1.1),  # 0.9375, 0.921, 0.841; decode 0.909: k = 1
+                4: ({1: 2.0, 2: 2.6, 3: 3.2}, 1.5),  # 0.75, 0.673, 0.578; decode 0.667: k = 1
+                8: ({1: 4.0, 2: 5.0, 3: 6.0}, 2.0)}  # 0.375, 0.35, 0.308; decode 0.5: plain decoding
+    choice = verify_width.choose(batch_ms[1][0], curve, decode_ms=1.0, batch_ms=batch_ms)
+    assert choice.drafts == 2
+    assert {b: w.drafts for b, w in choice.by_batch.items()} == {1: 2, 2: 1, 4: 1, 8: 0}
+    assert [choice.drafts_for(b) for b in (1, 2, 3, 4, 5, 8, 16)] == [2, 1, 1, 1, 0, 0, 0]
+    assert choice.drafts_for(8, drafting=True) == 1  # 1.5/4.0 beats 1.75/5.0 and 1.85/6.0
+    # a tie between decoding and speculation goes to decoding
+    assert verify_width.speculation_pays([0.5], {1: 1.5}, 1.0) == 0
+    assert verify_width.speculation_pays([0.5], {1: 1.49}, 1.0) == 1
+    assert verify_width.WidthChoice.from_dict(json.loads(json.dumps(choice.to_dict()))) == choice
+    old = {k: v for k, v in choice.to_dict().items() if k != "by_batch"}  # a file from before batch sizes
+    assert verify_width.WidthChoice.from_dict(old).drafts_for(8) == 2
+    with pytest.raises(DLiteError, match="outside 1..3"):
+        verify_width.choose(batch_ms[1][0], curve, batch_ms={2: ({4: 1.0}, 1.0)})
+    with pytest.raises(DLiteError, match="decode costs positive"):
+        verify_width.choose(batch_ms[1][0], curve, batch_ms={2: ({1: 1.0}, 0.0)})
+
+
 @pytest.fixture(scope="module")
 def bigram(tmp_path_factory):
     hf, spec = near_bigram_target(64, seed=11)
@@ -114,6 +139,10 @@ def test_calibration_file_is_used_and_checked(bigram, tmp_path):
 
     choice = calibrate(engine, [[3, 5, 7, 9], [1, 2, 3]], new_tokens=16, context=32, runs=10)
     assert set(choice.step_ms) == set(range(1, engine.cfg.num_proposals + 1)) and choice.decode_ms > 0
+    batches = [b for b in (1, 2, 4, 8, 16) if b <= engine.manifest.limits.max_batch]
+    assert sorted(choice.by_batch) == sorted({*batches, engine.manifest.limits.max_batch})
+    assert all(set(w.step_ms) == set(choice.step_ms) and w.decode_ms > 0 for w in choice.by_batch.values())
+    assert choice.by_batch[1].step_ms == choice.step_ms
     forced = verify_width.WidthChoice(2, choice.curve, choice.step_ms, choice.decode_ms)
     path = verify_width.save(engine_dir, forced)
     try:
@@ -126,7 +155,12 @@ def test_calibration_file_is_used_and_checked(bigram, tmp_path):
         path.write_text(json.dumps(forced.to_dict() | {"acceptance_at_least": [0.5]}))
         with pytest.raises(EngineError, match="calibrate"):
             open_engine(engine_dir)
-        for bad in ({"step_ms": []}, {"step_ms": 3}, {"drafts": 2.7}, {"drafts": True}):
+        path.write_text(json.dumps(forced.to_dict() | {"by_batch": {"4": {"drafts": 9, "step_ms": {"1": 1.0},
+                                                                         "decode_ms": 1.0}}}))
+        with pytest.raises(EngineError, match="calibrate"):
+            open_engine(engine_dir)
+        for bad in ({"step_ms": []}, {"step_ms": 3}, {"drafts": 2.7}, {"drafts": True}, {"by_batch": {"2": {}}},
+                    {"by_batch": {"x": {"drafts": 1, "step_ms": {}, "decode_ms": 1.0}}}):
             path.write_text(json.dumps(forced.to_dict() | bad))
             with pytest.raises(EngineError, match="corrupt"):
                 open_engine(engine_dir)

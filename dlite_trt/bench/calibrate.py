@@ -7,7 +7,9 @@ Two measurements, each on the engine itself:
   `dlite-trt bench` runs, other functions; pass your own prompts for your traffic);
 - the cost of a step call at every width k + 1 (k = 1..K) and of a one-token decode call,
   after ``context`` cached tokens, in bursts of one shape (as decoding runs), bursts
-  interleaved across widths so load bursts on a shared machine hit every width alike.
+  interleaved across widths so load bursts on a shared machine hit every width alike;
+  the same at each batch size up to the engine's --max-batch, where the server's scheduler
+  picks its width per batch, plain decoding (k = 0) included.
 """
 
 from __future__ import annotations
@@ -56,28 +58,40 @@ def acceptance(gen: EngineGenerator, prompts: Sequence[Sequence[int]], new_token
     return counts
 
 
-def call_ms(gen: EngineGenerator, context: int, runs: int) -> tuple[dict[int, float], float]:
-    """Median wall ms of the greedy step call at every width (k -> ms) and of a one-token decode call."""
+def batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes a width is calibrated at: powers of two up to the engine's --max-batch, and it."""
+    return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
+
+
+def call_ms(gen: EngineGenerator, context: int, runs: int,
+            batches: Sequence[int] = (1,)) -> dict[int, tuple[dict[int, float], float]]:
+    """Per batch size: median wall ms of the greedy step call at every width (k -> ms) and of a
+    target-only decode call, every row after ``context`` cached tokens; batch sizes interleaved."""
     manifest = gen.manifest
     k_max = gen.cfg.num_proposals
     rng = np.random.default_rng(0)
-    cache = gen.runner.new_cache(1)
-    cache.ensure_capacity(context + 2 * gen.cfg.block_size)
-    sizes = {"batch": 1, "cache": cache.capacity}
-    named = {}
-    for k in range(1, k_max + 1):
-        feed = dummy_inputs(manifest.contract["step"], sizes | {"verify": k + 1},
-                            vocab_size=manifest.target_spec.vocab_size, rng=rng)
-        feed["past_len"][:] = context
-        named[str(k)] = ("step", feed)
-    named["decode"] = ("decode", decode_feed(manifest, sizes, 1, context, rng))
-    medians = burst_medians(gen, {context: (cache, named)}, runs, None)[context]
-    return {k: medians[str(k)] * 1e3 for k in range(1, k_max + 1)}, medians["decode"] * 1e3
+    calls = {}
+    for batch in batches:
+        cache = gen.runner.new_cache(batch)
+        cache.ensure_capacity(context + 2 * gen.cfg.block_size)
+        sizes = {"batch": batch, "cache": cache.capacity}
+        named = {}
+        for k in range(1, k_max + 1):
+            feed = dummy_inputs(manifest.contract["step"], sizes | {"verify": k + 1},
+                                vocab_size=manifest.target_spec.vocab_size, rng=rng)
+            feed["past_len"][:] = context
+            named[str(k)] = ("step", feed)
+        named["decode"] = ("decode", decode_feed(manifest, sizes, 1, context, rng))
+        calls[batch] = (cache, named)
+    medians = burst_medians(gen, calls, runs, None)
+    return {batch: ({k: m[str(k)] * 1e3 for k in range(1, k_max + 1)}, m["decode"] * 1e3)
+            for batch, m in medians.items()}
 
 
 def calibrate(gen: EngineGenerator, prompts: Sequence[Sequence[int]], *, new_tokens: int = 48,
               context: int = 1024, runs: int = 20) -> verify_width.WidthChoice:
-    """Measure the acceptance curve and the call costs on ``gen``; the verify width they give."""
+    """Measure the acceptance curve and the call costs on ``gen`` (at every batch size it serves);
+    the verify widths they give."""
     if "verify" not in {d.name for d in gen.manifest.contract["step"].dims}:
         raise DLiteError("this engine's step graph verifies a fixed block; rebuild it with this dlite-trt.")
     longest = gen.manifest.limits.max_seq_len
@@ -88,10 +102,12 @@ def calibrate(gen: EngineGenerator, prompts: Sequence[Sequence[int]], *, new_tok
     prompts = [list(p)[-(longest - new_tokens):] for p in prompts]  # each prompt's end, within the engine
     context = max(1, min(context, longest - 2 * gen.cfg.block_size))
     curve = verify_width.acceptance_curve(acceptance(gen, prompts, new_tokens), gen.cfg.num_proposals)
-    step_ms, decode_ms = call_ms(gen, context, runs)
+    batches = batch_sizes(gen.manifest.limits.max_batch)
+    costs = call_ms(gen, context, runs, batches)
     source = (f"{len(prompts)} prompts x {new_tokens} new tokens at full width; calls after {context} cached "
-              f"tokens, medians of {max(1, runs // 10) * 10}")
-    return verify_width.choose(step_ms, curve, decode_ms=decode_ms, source=source)
+              f"tokens, batch sizes {', '.join(map(str, batches))}, medians of {max(1, runs // 10) * 10}")
+    step_ms, decode_ms = costs[1]
+    return verify_width.choose(step_ms, curve, decode_ms=decode_ms, source=source, batch_ms=costs)
 
 
 def describe(choice: verify_width.WidthChoice) -> str:
@@ -103,6 +119,12 @@ def describe(choice: verify_width.WidthChoice) -> str:
         speed = f"  {row['speedup_over_decode']:9.2f}x" if "speedup_over_decode" in row else ""
         lines.append(f"  {k}  {choice.curve[k - 1]:7.3f}  {row['tokens_per_step']:11.2f}  {row['step_ms']:7.1f}  "
                      f"{row['tokens_per_ms']:9.4f}{speed}{mark}")
+    if choice.by_batch:
+        lines.append("  the OpenAI server's greedy steps, per batch size (0: plain decoding pays more):")
+        for batch, width in sorted(choice.by_batch.items()):
+            gain = (verify_width.expected_tokens(choice.curve, width.drafts) / width.step_ms[width.drafts]
+                    * width.decode_ms) if width.drafts else 1.0
+            lines.append(f"  batch {batch:3d}: k = {width.drafts}  ({gain:.2f}x plain decoding predicted)")
     return "\n".join(lines)
 
 

@@ -141,8 +141,8 @@ def decode_feed(manifest: Any, sizes: dict[str, int], width: int, ctx: int, rng:
 
 def burst_medians(engine: Any, calls: dict[int, tuple[Any, dict[str, tuple[str, dict]]]], runs: int,
                    progress: Any) -> dict[int, dict[str, float]]:
-    """Median wall seconds per (context, call name). ``calls``: context -> (cache, name -> (graph,
-    feed)). Calls run in bursts of consecutive calls of one graph at one context (as in decoding:
+    """Median wall seconds per (key, call name). ``calls``: key (a context, or a batch size) -> (cache,
+    name -> (graph, feed)). Calls run in bursts of consecutive calls of one graph at one context (as in decoding:
     a shape change between calls costs ONNX Runtime extra work), bursts interleaved so load
     bursts hit every context and call alike; the first call of a burst is not timed."""
     times = {ctx: {name: [] for name in named} for ctx, (_, named) in calls.items()}

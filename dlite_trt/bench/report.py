@@ -261,6 +261,9 @@ def _print_verify_width(engine: dict, console: Any) -> None:
         console.print("  k: predicted tokens/step, step ms, speedup over a decode call: " + ", ".join(
             f"{k}: {r['tokens_per_step']:.2f}, {r['step_ms']:.1f}, {r.get('speedup_over_decode', 0):.2f}x"
             for k, r in choice["rows"].items()))
+        if choice.get("by_batch"):
+            console.print("  calibrated width per batch size (the batch sweep takes k >= 1; the server's 0 is plain "
+                          "decoding): " + ", ".join(f"{b}: {w['drafts']}" for b, w in choice["by_batch"].items()))
 
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:

@@ -75,9 +75,13 @@ class _Chunk:
 
 
 class EngineGenerator(GeneratorBase):
-    def __init__(self, runner: Any, manifest: Manifest, verify_drafts: int | None = None) -> None:
-        """``verify_drafts``: how many of the draft's K proposals a greedy step verifies (None: all K)."""
+    def __init__(self, runner: Any, manifest: Manifest, verify_drafts: int | None = None,
+                 widths: Any = None) -> None:
+        """``verify_drafts``: how many of the draft's K proposals a greedy step verifies (None: all K);
+        ``widths``: the engine's calibrated ``verify_width.WidthChoice`` when ``verify_drafts`` came
+        from it (the server's scheduler then verifies the width of each batch size)."""
         self.runner = runner
+        self.widths = widths
         self.manifest = manifest
         self.cfg = manifest.draft_config
         self.spec = manifest.target_spec
@@ -91,6 +95,11 @@ class EngineGenerator(GeneratorBase):
             raise EngineError(f"the verify width (--verify-drafts) must be an integer in 1..{most} (the draft proposes "
                               f"{most} tokens a step), got {k!r}.")
         return k
+
+    def greedy_drafts(self, batch: int) -> int:
+        """Drafts a greedy DLite step of ``batch`` sequences verifies: the engine's calibrated width for
+        that batch size (at least 1: the step drafts), or ``verify_drafts`` where that was given."""
+        return self.verify_drafts if self.widths is None else self.widths.drafts_for(batch, drafting=True)
 
     def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:
         return EngineSession(self, prompts)
@@ -232,7 +241,7 @@ class EngineSession(SessionBase):
         carried = {"draft_logits": out["next_draft_logits"]} if sampling else {}
         yield StepEvent(tuple(self._emit(row, [int(block[row, 0])], params) for row in range(b)), None)
         engine_before = self.cache.engine_seconds
-        width = k + 1 if sampling else self.gen.verify_drafts + 1  # a greedy step verifies d_1..d_k
+        width = k + 1 if sampling else self.gen.greedy_drafts(b) + 1  # a greedy step verifies d_1..d_k
         while any(self._active):
             most = min(self.k, self.max_verify_tokens() - 1)  # a skip step verifies on the decode graph
             proposals = None if lookup is None else \
@@ -330,6 +339,7 @@ def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = 
     from dlite_trt.runtime.ort_runner import OrtRunner
 
     manifest = load_manifest(Path(engine_dir), verify=verify)
+    choice = None
     if verify_drafts == "auto":
         choice = verify_width.load(Path(engine_dir), manifest.draft_config.num_proposals)
         verify_drafts = manifest.draft_config.num_proposals if choice is None else choice.drafts
@@ -337,6 +347,6 @@ def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = 
         from dlite_trt.runtime.trt_runner import TrtRunner
 
         runner = TrtRunner(Path(engine_dir), manifest, cuda_graphs=cuda_graphs)
-        return EngineGenerator(runner.activate(preload), manifest, verify_drafts)
-    return EngineGenerator(OrtRunner(Path(engine_dir), manifest, threads=threads).activate(preload), manifest,
-                           verify_drafts)
+    else:
+        runner = OrtRunner(Path(engine_dir), manifest, threads=threads)
+    return EngineGenerator(runner.activate(preload), manifest, verify_drafts, choice)

@@ -15,13 +15,21 @@ greedy generations at full width, the costs from step calls at every width, and 
 for the predicted speedup over target-only decoding); ``dlite-trt build`` and ``dlite-trt
 calibrate`` write the choice to ``verify_width.json`` in the engine directory, and
 ``open_engine`` verifies that many drafts.
+
+A batch of B sequences costs more per call than a batch of one while each row still gains its
+own acceptance, so the width that pays changes with B, and on a compute-bound machine no width
+may pay at all. Calibration therefore also measures the step at every width and a plain decode
+call at each batch size the engine serves (``by_batch``), and picks k in 0..K there, 0 meaning
+plain decoding (the target's decode graph, no draft). The OpenAI server's scheduler runs the k
+of the batch it is running (greedy batches only: a sampled row's draws must not depend on what
+it is batched with); the batch-1 ``drafts`` (>= 1) is what a DLite session verifies.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +53,38 @@ def expected_tokens(curve: Sequence[float], drafts: int) -> float:
     return 1.0 + sum(curve[:drafts])
 
 
+def speculation_pays(curve: Sequence[float], step_ms: Mapping[int, float], decode_ms: float) -> int:
+    """The k in 0..K that gives the most tokens per ms, 0 (plain decoding: one token per decode call)
+    included; a tie with plain decoding goes to it (it risks nothing), one between widths to the larger."""
+    rate = {0: 1.0 / decode_ms} | {k: expected_tokens(curve, k) / ms for k, ms in step_ms.items()}
+    return max(rate, key=lambda k: (rate[k], k == 0, k))
+
+
+@dataclass(frozen=True)
+class BatchWidth:
+    """What a greedy step of a batch of this many sequences verifies (0: plain decoding pays more),
+    and the per-call costs it was chosen from."""
+
+    drafts: int
+    step_ms: Mapping[int, float]  # k -> step call wall ms at this batch
+    decode_ms: float  # a target-only decode call at this batch
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"drafts": self.drafts, "step_ms": {str(k): v for k, v in sorted(self.step_ms.items())},
+                "decode_ms": self.decode_ms}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BatchWidth:
+        return cls(_int(data["drafts"]), {int(k): float(v) for k, v in data["step_ms"].items()},
+                   float(data["decode_ms"]))
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class WidthChoice:
     """The chosen number of drafts to verify, with the curve it was chosen from."""
@@ -54,6 +94,20 @@ class WidthChoice:
     step_ms: Mapping[int, float]  # k -> step call wall ms
     decode_ms: float | None = None  # a one-token decode call, for the predicted speedup
     source: str = ""  # what the figures were measured on
+    by_batch: Mapping[int, BatchWidth] = field(default_factory=dict)  # batch size -> its width (0..K)
+
+    def drafts_for(self, batch: int, *, drafting: bool = False) -> int:
+        """Drafts a greedy step of ``batch`` sequences verifies, 0..K: the entry of the smallest
+        calibrated batch size at least ``batch`` (the largest one past them); ``drafts`` without a
+        table (a file from before batch sizes were calibrated). ``drafting``: a step that drafts
+        anyway (a DLite session), so the best k >= 1 there."""
+        if not self.by_batch:
+            return self.drafts
+        sizes = sorted(self.by_batch)
+        width = self.by_batch[next((b for b in sizes if b >= batch), sizes[-1])]
+        if width.drafts or not drafting:
+            return width.drafts
+        return max(width.step_ms, key=lambda k: (expected_tokens(self.curve, k) / width.step_ms[k], k))
 
     def rows(self) -> dict[int, dict[str, float]]:
         """Per k: tokens per step, step ms, tokens per ms and (with decode_ms) the predicted speedup."""
@@ -69,32 +123,43 @@ class WidthChoice:
     def to_dict(self) -> dict[str, Any]:
         return {"drafts": self.drafts, "acceptance_at_least": list(self.curve),
                 "step_ms": {str(k): v for k, v in sorted(self.step_ms.items())}, "decode_ms": self.decode_ms,
-                "source": self.source, "rows": {str(k): v for k, v in self.rows().items()}}
+                "source": self.source, "rows": {str(k): v for k, v in self.rows().items()},
+                "by_batch": {str(b): w.to_dict() for b, w in sorted(self.by_batch.items())}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WidthChoice:
         if not isinstance(data, Mapping) or not isinstance(data.get("step_ms"), Mapping):
             raise TypeError("expected an object with a step_ms object")
-        drafts = data["drafts"]
-        if not isinstance(drafts, int) or isinstance(drafts, bool):
-            raise TypeError(f"drafts must be an integer, got {drafts!r}")
-        return cls(drafts, tuple(float(p) for p in data["acceptance_at_least"]),
+        return cls(_int(data["drafts"]), tuple(float(p) for p in data["acceptance_at_least"]),
                    {int(k): float(v) for k, v in data["step_ms"].items()},
-                   None if data.get("decode_ms") is None else float(data["decode_ms"]), str(data.get("source", "")))
+                   None if data.get("decode_ms") is None else float(data["decode_ms"]), str(data.get("source", "")),
+                   {int(b): BatchWidth.from_dict(w) for b, w in data.get("by_batch", {}).items()})
 
 
 def choose(step_ms: Mapping[int, float], curve: Sequence[float], *, decode_ms: float | None = None,
-           source: str = "") -> WidthChoice:
-    """The k of ``step_ms`` (k -> cost) that maximises expected tokens per step / cost; ties go to the larger k."""
+           source: str = "", batch_ms: Mapping[int, tuple[Mapping[int, float], float]] | None = None) -> WidthChoice:
+    """The k of ``step_ms`` (k -> cost) that maximises expected tokens per step / cost; ties go to the
+    larger k. ``batch_ms`` (batch size -> (step_ms, decode_ms) there) adds each batch size's width
+    in 0..K (``speculation_pays``)."""
+    for costs in [step_ms, *(ms for ms, _ in (batch_ms or {}).values())]:
+        _check_costs(costs, len(curve))
+    best = max(step_ms, key=lambda k: (expected_tokens(curve, k) / step_ms[k], k))
+    by_batch = {}
+    for batch, (ms, dec) in sorted((batch_ms or {}).items()):
+        if not batch >= 1 or not dec > 0:
+            raise DLiteError(f"batch {batch}: batch sizes must be >= 1 and decode costs positive, got {dec}.")
+        by_batch[batch] = BatchWidth(speculation_pays(curve, ms, dec), dict(ms), dec)
+    return WidthChoice(best, tuple(curve), dict(step_ms), decode_ms, source, by_batch)
+
+
+def _check_costs(step_ms: Mapping[int, float], most: int) -> None:
     if not step_ms:
         raise DLiteError("no step costs to choose a verify width from.")
-    bad = [k for k in step_ms if not 1 <= k <= len(curve)]
+    bad = [k for k in step_ms if not 1 <= k <= most]
     if bad:
-        raise DLiteError(f"verify widths {bad} are outside 1..{len(curve)} (the draft's K).")
+        raise DLiteError(f"verify widths {bad} are outside 1..{most} (the draft's K).")
     if any(not ms > 0 for ms in step_ms.values()):
         raise DLiteError(f"step costs must be positive, got {dict(step_ms)}.")
-    best = max(step_ms, key=lambda k: (expected_tokens(curve, k) / step_ms[k], k))
-    return WidthChoice(best, tuple(curve), dict(step_ms), decode_ms, source)
 
 
 def save(engine_dir: Path, choice: WidthChoice) -> Path:
@@ -115,7 +180,8 @@ def load(engine_dir: Path, max_drafts: int) -> WidthChoice | None:
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
         raise EngineError(f"{path} is corrupt ({exc!r}); delete it and run `dlite-trt calibrate --engine "
                           f"{engine_dir}`.") from exc
-    if not 1 <= choice.drafts <= max_drafts or len(choice.curve) != max_drafts:
+    if not 1 <= choice.drafts <= max_drafts or len(choice.curve) != max_drafts or \
+            any(not 0 <= w.drafts <= max_drafts for w in choice.by_batch.values()):
         raise EngineError(f"{path} is for a draft of {len(choice.curve)} proposals (chose {choice.drafts}), this "
                           f"engine's draft makes {max_drafts}; run `dlite-trt calibrate --engine {engine_dir}`.")
     return choice

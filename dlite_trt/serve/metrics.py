@@ -38,8 +38,9 @@ class ServerMetrics:
         self.engine_calls = Counter("dlite_engine_calls", "Engine calls, by graph", ["graph"], registry=r)
         self.steps = Counter("dlite_speculative_steps", "Speculative steps (one per sequence per step call)",
                              registry=r)
-        self.draft_skipped = Counter("dlite_draft_skipped", "Steps (per sequence) of --speculative dlite-ngram that "
-                                     "verified n-gram proposals without running the draft", registry=r)
+        self.draft_skipped = Counter("dlite_draft_skipped", "Steps (per sequence) that ran no draft: "
+                                     "--speculative dlite-ngram verifying n-gram proposals, or a batch size at which "
+                                     "the engine's calibrated width is 0 (plain decoding pays more)", registry=r)
         self.proposed = Counter("dlite_draft_tokens_proposed", "Draft tokens verified", registry=r)
         self.accepted = Counter("dlite_draft_tokens_accepted", "Draft tokens the target accepted", registry=r)
         self.accepted_at = Counter("dlite_accepted_tokens_per_position",

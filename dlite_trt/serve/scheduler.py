@@ -117,7 +117,7 @@ class Scheduler:
         if speculative not in SPECULATIVE:
             raise DLiteError(f"--speculative must be one of {', '.join(SPECULATIVE)}, got {speculative!r}.")
         self.counter = _CountingRunner(generator.runner)
-        self.generator = EngineGenerator(self.counter, generator.manifest, generator.verify_drafts)
+        self.generator = EngineGenerator(self.counter, generator.manifest, generator.verify_drafts, generator.widths)
         manifest = generator.manifest
         self.limits, self.cfg, self.spec = manifest.limits, manifest.draft_config, manifest.target_spec
         self.speculative = speculative
@@ -355,10 +355,21 @@ class Scheduler:
 
 
 class _DLiteCalls:
-    """DLite: prefill -> the first block; each step verifies it and drafts the next, in one call."""
+    """DLite: prefill -> the first block; each step verifies it and drafts the next, in one call.
 
-    def __init__(self, sched: Scheduler) -> None:
+    A greedy batch verifies the width calibrated for its size (``verify_width``: 0..K); at 0 the
+    target decodes alone on the decode graph and no draft runs (``dlite_draft_skipped_total``),
+    so speculation costs nothing at batch sizes where it does not pay."""
+
+    def __init__(self, sched: Scheduler, ngram: bool = False) -> None:
         self.sched, self.k, self.g = sched, sched.cfg.num_proposals, sched.cfg.anchor_group_size
+        self.decode = _DecodeCalls(sched, ngram)
+
+    def drafts_for(self, rows: list[_Row]) -> int:
+        """Drafts a greedy step of these rows verifies: the engine's calibrated width for their number
+        (0: none, plain decoding), or --verify-drafts where that was given."""
+        widths = self.sched.generator.widths
+        return self.sched.generator.verify_drafts if widths is None else widths.drafts_for(len(rows))
 
     def prefill(self, rows: list[_Row], view: KVCache) -> list[_Result]:
         sampling = any(r.sampling for r in rows)
@@ -383,8 +394,26 @@ class _DLiteCalls:
 
     def step(self, rows: list[_Row], view: KVCache) -> list[_Result]:
         sampling = any(r.sampling for r in rows)
-        k = self.k if sampling else self.sched.generator.verify_drafts  # a greedy step verifies d_1..d_k
+        k = self.k if sampling else self.drafts_for(rows)  # a greedy step verifies d_1..d_k
+        if k == 0:
+            return self._without_draft(rows, view, [[] for _ in rows])
         return self._verify_and_draft(rows, view, np.stack([r.state["block"][: k + 1] for r in rows]))
+
+    def _without_draft(self, rows: list[_Row], view: KVCache, proposals: list[list[int]]) -> list[_Result]:
+        """A greedy step on the decode graph: the target alone verifies ``proposals`` (none: it decodes
+        one token); the next block is each row's anchor alone, and the next step call drafts again."""
+        for row in rows:  # a retried row may hold a step's draws: greedy, so nothing of them is lost
+            row.draws = {}
+        results = self.decode.verify(rows, view, proposals)
+        for row, result in zip(rows, results, strict=True):
+            block = np.zeros(self.k + 1, np.int64)
+            block[0] = result.tokens[-1]
+            result.state = {"block": block}
+            if self.g > 1:
+                before = [*row.tokens, *result.tokens[:-1]][-(self.g - 1):]
+                result.state["prefix"] = np.array([0] * (self.g - 1 - len(before)) + before, np.int64)
+        self.sched.metrics.draft_skipped.inc(len(rows))
+        return results
 
     def _verify_and_draft(self, rows: list[_Row], view: KVCache, block: np.ndarray) -> list[_Result]:
         """One step call: verify ``block`` ([anchor, drafts] per row), accept, draft the next block."""
@@ -426,8 +455,7 @@ class _DLiteNgramCalls(_DLiteCalls):
     and the next step call drafts again. A batch with a sampled row runs plain DLite."""
 
     def __init__(self, sched: Scheduler) -> None:
-        super().__init__(sched)
-        self.decode = _DecodeCalls(sched, ngram=True)
+        super().__init__(sched, ngram=True)
 
     def prefill(self, rows: list[_Row], view: KVCache) -> list[_Result]:
         results = super().prefill(rows, view)
@@ -439,20 +467,9 @@ class _DLiteNgramCalls(_DLiteCalls):
         if any(r.sampling for r in rows):
             return super().step(rows, view)
         proposals = [r.state["ngram"].propose(r.tokens, min(self.k, self.decode.width - 1)) for r in rows]
-        if all(proposals):
-            for row in rows:  # a retried row may hold a step's draws: greedy, so nothing of them is lost
-                row.draws = {}
-            results = self.decode.verify(rows, view, proposals)
-            for row, result in zip(rows, results, strict=True):  # no draft: the next block is the anchor alone
-                block = np.zeros(self.k + 1, np.int64)
-                block[0] = result.tokens[-1]
-                result.state = {"block": block}
-                if self.g > 1:
-                    before = [*row.tokens, *result.tokens[:-1]][-(self.g - 1):]
-                    result.state["prefix"] = np.array([0] * (self.g - 1 - len(before)) + before, np.int64)
-            self.sched.metrics.draft_skipped.inc(len(rows))
-            return results
-        k = self.sched.generator.verify_drafts
+        k = self.drafts_for(rows)
+        if all(proposals) or k == 0:  # where the batch's width is 0, rows without a proposal decode one token
+            return self._without_draft(rows, view, proposals)
         width = max(k, *map(len, proposals)) + 1
         block = np.stack([r.state["block"][:width] for r in rows])
         for i, proposal in enumerate(proposals):
