@@ -1,25 +1,32 @@
 """Peer methods of `dlite-trt bench` (bench/peers.py) on a tiny engine: transformers and
 onnxruntime-genai, run through run.py's own ``run_task``, give target-only greedy decoding's tokens
-turn after turn, past end-of-sequence tokens; their drafting modes really draft; skips say why."""
+turn after turn, past end-of-sequence tokens; their drafting modes really draft; skips say why.
+Each peer runs in a worker process (bench/peer_process.py): it gives the tokens and steps the same
+library gives in the test's own process, and a worker that crashes or is killed fails its peer
+alone, said with the signal and its last output, while the rest of the workload runs on."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import draft_config, hf_greedy, random_draft
 
 from dlite_trt.bench.methods import make_methods, skipped_methods
 from dlite_trt.bench.metrics import first_difference
-from dlite_trt.bench.peers import ort_genai_model
-from dlite_trt.bench.run import PreparedTask, run_task
+from dlite_trt.bench.peer_process import CRASH_FOR_TESTS, PeerFailed, PeerWorker
+from dlite_trt.bench.peers import _Backends, open_run, ort_genai_model
+from dlite_trt.bench.run import PreparedTask, run_task, run_workload, warm_up
 from dlite_trt.bench.workloads import Task, Turn
 from dlite_trt.bundled import bundled_pair
 from dlite_trt.errors import DLiteError
+from dlite_trt.runtime.session import SamplingParams
+from dlite_trt.runtime.stats import StageTimer
 
 # turn 1 repeats itself, turn 2 repeats turn 1: prompt lookup finds matches in both
 TURNS = (tuple(range(5, 40)) + (7, 8, 9) * 5 + tuple(range(5, 30)), (7, 8, 9) * 4 + tuple(range(5, 20)))
@@ -27,7 +34,8 @@ NEW_TOKENS = 32
 
 
 def _no_skips(line: str) -> None:
-    assert not line.startswith("skipping"), line
+    """The log of a run where every peer runs: no skip, no failure."""
+    assert not line.startswith(("skipping", "peer ")), line
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +67,8 @@ def eos_engine(tmp_path_factory):
     return load_engine(tmp / "engine", threads=1, preload=("prefill", "decode")).generator, eos
 
 
-def _task() -> PreparedTask:
-    return PreparedTask(Task("peer", tuple(Turn(NEW_TOKENS, input_ids=t) for t in TURNS)), TURNS)
+def _task(task_id: str = "peer") -> PreparedTask:
+    return PreparedTask(Task(task_id, tuple(Turn(NEW_TOKENS, input_ids=t) for t in TURNS)), TURNS)
 
 
 def _check_against_target_only(engine, eos: int, names: list[str], turns: int = len(TURNS)) -> dict:
@@ -153,16 +161,87 @@ def test_first_difference():
     assert first_difference([[7]], [[8]]) == 0
 
 
-@torch.no_grad()
-def test_hf_generate_ignores_eos_like_ours(eos_engine):
-    """The hf peer's model has no EOS to stop at: a full budget even where the EOS is the argmax."""
-    engine, eos = eos_engine
-    (hf,) = make_methods(["hf"], engine, log=_no_skips)
-    assert hf.backends.hf_model.generation_config.eos_token_id is None
-    run = hf.start([list(TURNS[0])])
-    from dlite_trt.runtime.session import SamplingParams
-    from dlite_trt.runtime.stats import StageTimer
+def _session(run, turns=TURNS) -> list:
+    """Every turn of a session on ``run``: its events (tokens and step records)."""
+    events = []
+    for i, ids in enumerate(turns):
+        if i:
+            run.extend([list(ids)])
+        events.append(list(run.stream(SamplingParams(max_new_tokens=NEW_TOKENS), StageTimer())))
+    return events
 
-    out = [t for e in run.stream(SamplingParams(max_new_tokens=NEW_TOKENS), StageTimer()) for t in e.new_tokens[0]]
-    assert len(out) == NEW_TOKENS and eos in out
-    assert run.session.tokens[0] == list(TURNS[0]) + out
+
+@pytest.mark.parametrize("name", ["hf", "hf-lookup"])
+def test_worker_gives_the_tokens_of_the_library_in_process(eos_engine, name):
+    """The same library steps, token for token, in the worker as in this process, over turns (the
+    worker keeps the session's KV cache between them), and the model ignores EOS in both."""
+    engine, eos = eos_engine
+    (method,) = make_methods([name], engine, log=_no_skips)
+    backends = _Backends(method.source, log=_no_skips)
+    assert backends.hf_model.generation_config.eos_token_id is None
+    here = _session(open_run(method.peer, backends, TURNS[0]))
+    run = method.start([list(TURNS[0])])
+    there = _session(run)
+    assert there == here
+    out = [t for e in there[0] for t in e.new_tokens[0]]
+    assert len(out) == NEW_TOKENS and eos in out  # a full budget where the EOS is the argmax
+    assert run.session.tokens[0] == list(TURNS[0]) + out + list(TURNS[1]) + [t for e in there[1]
+                                                                            for t in e.new_tokens[0]]
+    assert method.worker.proc.poll() is None  # alive, serving the next session
+    method.worker.close()
+    assert method.worker.proc.returncode == 0  # its request pipe closed: it ended by itself
+
+
+def test_a_crashing_peer_fails_alone(eos_engine, monkeypatch):
+    """Driven as suite.py drives a workload (warm-up, then every method on every task): the
+    hf-lookup worker segfaults on its first generate (a real SIGSEGV, by the worker's test hook),
+    the hf worker is killed after the first task. Each is said once, with the signal, what it was
+    doing, its last output and what to do; target-only runs every request, hf gives its right
+    tokens until it is killed, and a failed peer's requests are empty."""
+    engine, _ = eos_engine
+    monkeypatch.setenv(CRASH_FOR_TESTS, "hf-lookup")
+    lines: list[str] = []
+    methods = make_methods(["ar", "hf", "hf-lookup"], engine, log=lines.append)
+    ar, hf, lookup = methods
+    warm_up(methods, TURNS[0])
+    assert lookup.worker.proc.returncode == -signal.SIGSEGV and hf.failure is None
+    ran: list[int] = []
+
+    def advance() -> None:
+        ran.append(1)
+        if len(ran) == len(methods):  # every method has run the first task
+            os.kill(hf.worker.pid, signal.SIGKILL)
+
+    summary, records = run_workload("peers", [_task("t0"), _task("t1")], methods,
+                                    block_size=engine.manifest.draft_config.block_size, kv_bytes_per_token=1,
+                                    advance=advance)
+    assert len(ran) == 2 * len(methods)
+    crash, kill = lines
+    assert crash.startswith("peer hf-lookup failed: its worker process (transformers, pid ")
+    assert "killed by signal 11 (SIGSEGV) while generating" in crash
+    assert "Segmentation fault" in crash  # faulthandler's report, from its output
+    assert "--methods ar,hf-lookup" in crash and "The bench goes on without hf-lookup" in crash
+    assert kill.startswith("peer hf failed") and "killed by signal 9 (SIGKILL) while opening a session" in kill
+    assert lookup.failure in crash and hf.failure in kill and not (hf.exact or lookup.exact)
+
+    by = {(r.method, r.task_id, r.turn): r for r in records}
+    turns = [(t, i) for t in ("t0", "t1") for i in range(len(TURNS))]
+    assert all(by["ar", t, i].output_tokens == NEW_TOKENS for t, i in turns)
+    for i in range(len(TURNS)):  # hf, before it was killed: target-only's tokens, its stages timed
+        assert by["hf", "t0", i].output_ids == by["ar", "t0", i].output_ids
+        assert {"prefill", "decode"} <= set(by["hf", "t0", i].stage_s)
+        assert by["hf", "t1", i].output_ids == [[]]
+    assert all(by["hf-lookup", t, i].output_ids == [[]] for t, i in turns)
+    assert summary["ar"]["output_tokens"] == 4 * NEW_TOKENS and summary["ar"]["lossless"]["mismatches"] == 0
+
+
+def test_a_worker_that_cannot_start_says_why():
+    """A worker whose entry does not import dies at once: exit code 1 and its ImportError."""
+    worker = PeerWorker("hf", "transformers", "dlite_trt.bench.peers:no_such_entry", None, hint="the hint.",
+                        log=_no_skips)
+    with pytest.raises(PeerFailed, match="exited with code 1 while loading its model") as failed:
+        worker.start([5, 6, 7])
+    assert "ImportError: cannot import name 'no_such_entry'" in str(failed.value)
+    assert str(failed.value).endswith("the hint.")
+    with pytest.raises(PeerFailed):  # and stays failed
+        worker.start([5, 6, 7])

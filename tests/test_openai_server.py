@@ -513,6 +513,32 @@ def test_each_batch_size_verifies_its_calibrated_width(engine, oracle, code, tmp
         server.stop()
 
 
+def test_bench_serve_replays_agent_sessions(engine, code, tmp_path):
+    """`dlite-trt bench-serve` (the agentic replay, no tools) on this engine, two configs and two
+    concurrencies, over sessions of three turns: every turn of every config gives the same tokens
+    (the replay's own check), later turns reuse the earlier turns' prefix, and the report is whole."""
+    from click.testing import CliRunner
+
+    from dlite_trt.cli import main
+
+    dataset = tmp_path / "sessions.jsonl"
+    dataset.write_text("".join(json.dumps({"task_id": f"s{i}", "input_ids": code[i][:80], "output_tokens": 12,
+                                           "turns": [{"input_ids": code[i + 10][:30], "output_tokens": 12}] * 2})
+                               + "\n" for i in range(2)))
+    result = CliRunner().invoke(main, ["bench-serve", "--engine", str(engine), "--dataset", str(dataset),
+                                       "--concurrency", "1,2", "--speculative", "dlite,none", "--reuse", "on",
+                                       "--threads", "1", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["greedy_mismatches"] == 0 and set(report["configs"]) == {"dlite/reuse", "none/reuse"}
+    assert report["turns"] == 6 and report["turns_cut_to_fit_the_engine"] == 0
+    for config in report["configs"].values():
+        for concurrency in ("1", "2"):
+            run = config["by_concurrency"][concurrency]
+            assert run["requests"] == 6 and run["output_tokens_per_s"] > 0 and run["tool_calls"] == 0
+            assert all(t["cached_tokens"] > 0 for t in run["turns"] if t["turn"] > 0)
+
+
 def test_sigint_stops_the_server_and_leaves_nothing(engine, oracle):
     greedy, _ = oracle
     server = Server(engine)

@@ -21,6 +21,13 @@ takes them. Peers decode one sequence at a time (the batch sweep leaves them out
 does not continue a passed cache correctly (see ``_HF_LOOKUP_REUSES_CACHE``). Generations ignore
 end-of-sequence tokens, as ours do: an EOS is emitted and decoding goes on.
 
+Each peer method runs in a worker process of its own (bench/peer_process.py), started by its first
+session: the library, its model and each session's KV cache live there, and only token ids, step
+events and timings cross the pipe. A peer whose worker dies (a crash in the library's native code, a
+kill) or whose library raises is reported once, with what to do (``crash_hint``), and the bench goes on
+without it: its later requests are empty (``PeerMethod.failure``). The runs below run in the worker;
+``PeerMethod`` and ``_WorkerRun`` are the bench's side.
+
 The optional libraries are imported inside the functions that use them; a peer whose library is
 missing is skipped with the command that installs it (``peer_unavailable``).
 """
@@ -43,6 +50,7 @@ from typing import Any
 
 from dlite_trt.bench.live import Run, default_threads
 from dlite_trt.bench.names import METHOD_TITLES, PEER_NAMES
+from dlite_trt.bench.peer_process import PeerFailed, PeerWorker, serve
 from dlite_trt.errors import DLiteError
 from dlite_trt.runtime.prompt_lookup import PromptLookupConfig
 from dlite_trt.runtime.session import SamplingParams, StepEvent
@@ -85,6 +93,12 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("llama-cpp-lookup", *_LLAMA, "gguf", True),
 )}
 assert tuple(PEERS) == PEER_NAMES, "names.PEER_NAMES and PEERS list the same peers"
+# how a library is known to crash, and the fix (the start of what a failed peer's message says to do)
+KNOWN_CRASHES = {
+    "llama-cpp-python": "llama-cpp-python built from source with ggml's AMX backend segfaults on its first generate "
+                        "on CPUs with AMX (Intel Sapphire Rapids and later): rebuild it with AMX off (the command is "
+                        "in docs/bench.md, Peers). ",
+}
 
 
 @dataclass(frozen=True)
@@ -135,6 +149,12 @@ def target_gguf(target_name: str) -> Path | None:
         return None
 
 
+def crash_hint(peer: Peer) -> str:
+    """What to do when ``peer``'s worker dies or its library raises."""
+    return (KNOWN_CRASHES.get(peer.library, "") + f"To see it again alone: --methods ar,{peer.name}. To reinstall "
+            f"{peer.library}: {peer.install}. Or leave {peer.name} out of --methods.")
+
+
 def peer_unavailable(name: str, gguf: Path | None) -> str | None:
     """Why a peer cannot run here (with what to do), or None."""
     peer = PEERS[name]
@@ -163,6 +183,12 @@ class _Context:
         self.tokens[0].extend(int(t) for t in new_tokens[0])
 
 
+def _check_greedy(params: SamplingParams) -> None:
+    if params.temperature != 0.0 or params.stop_token_ids:
+        raise DLiteError("peer methods decode greedily to a fixed length (temperature 0, no stop tokens), "
+                         f"got temperature {params.temperature}, stop tokens {params.stop_token_ids}.")
+
+
 class _PeerRun(Run):
     """One session of a peer: each library yields the tokens of its steps (``_steps``); the
     emission, the budget and the events are the same for all."""
@@ -171,9 +197,7 @@ class _PeerRun(Run):
         super().__init__(_Context(prompt))
 
     def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
-        if params.temperature != 0.0 or params.stop_token_ids:
-            raise DLiteError("peer methods decode greedily to a fixed length (temperature 0, no stop tokens), "
-                             f"got temperature {params.temperature}, stop tokens {params.stop_token_ids}.")
+        _check_greedy(params)
         budget = params.max_new_tokens
         if budget == 0:
             return
@@ -371,13 +395,25 @@ def _drafted(drafts: tuple[int, ...], chunk: list[int]) -> StepRecord | None:
 # --------------------------------------------------------------------------------------------- methods
 
 
+# a failed peer's request: one event without tokens (one empty output row, which run.py compares
+# with target-only's and measure records as 0 tokens)
+_NOTHING = StepEvent(((),), None)
+
+
 class PeerMethod:
-    """A peer as ``run.py`` drives a method: ``name``, ``title``, ``start(prompts) -> Run``."""
+    """A peer as ``run.py`` drives a method: ``name``, ``title``, ``start(prompts) -> Run``. Its
+    library runs in a worker process (``PeerWorker``, started by the first ``start``). When the worker
+    dies or the library raises, the peer is ``failure``: said once in the log, with what to do, and
+    its later requests are empty; the bench goes on with the other methods."""
 
     peer_method = True  # batch 1 only: the batch sweep leaves it out
 
-    def __init__(self, peer: Peer, source: PeerSource, backends: _Backends) -> None:
-        self.peer, self.source, self.backends = peer, source, backends
+    def __init__(self, peer: Peer, source: PeerSource, log: Log) -> None:
+        self.peer, self.source, self.log = peer, source, log
+        self.worker = PeerWorker(peer.name, peer.library, f"{__name__}:serve_worker", (peer.name, source),
+                                 hint=crash_hint(peer), log=log)
+        self.failure: str | None = None
+        self.sessions = 0  # the worker holds the last one only
 
     @property
     def name(self) -> str:
@@ -390,7 +426,10 @@ class PeerMethod:
     @property
     def exact(self) -> bool:
         """Whether its numerics are ours, so its greedy tokens must equal target-only decoding's
-        (otherwise the bench reports where they diverge)."""
+        (otherwise the bench reports where they diverge). Not once it failed: its requests stopped
+        short (where the failure came) or are empty."""
+        if self.failure is not None:
+            return False
         if self.source.engine_weights != "float":  # an int4 engine: no peer computes what it computes
             return False
         return self.peer.weights == "engine" or self.peer.weights == self.source.dtype
@@ -398,17 +437,85 @@ class PeerMethod:
     def start(self, prompts: Sequence[Sequence[int]]) -> Run:
         if len(prompts) != 1:
             raise DLiteError(f"peer method {self.name} decodes one sequence at a time, got a batch of {len(prompts)}.")
-        lookup = self.source.lookup if self.peer.lookup else None
-        if self.peer.library == "transformers":
-            return _HFRun(prompts[0], self.backends.hf_model, lookup)
-        if self.peer.library == "onnxruntime-genai":
-            return _OrtGenAIRun(prompts[0], self.backends.ort_genai_model(self.peer.weights),
-                                self.source.max_seq_len, lookup)
-        return _LlamaCppRun(prompts[0], self.backends.llama(lookup))
+        self.sessions += 1
+        run = _WorkerRun(self, prompts[0], self.sessions)
+        if self.failure is None:
+            try:
+                self.worker.start(prompts[0])
+            except PeerFailed as exc:
+                self.fail(exc)
+        return run
+
+    def fail(self, exc: PeerFailed) -> None:
+        """The peer is out of the run: said once, with what to do."""
+        self.failure = str(exc)
+        self.worker.close()
+        self.log(f"{exc}\nThe bench goes on without {self.name}: its requests from here on are empty (0 tokens).")
+
+
+class _WorkerRun(Run):
+    """A session of a peer, on the bench's side: the context (what ``run_task`` reads) is kept here,
+    the library's state in the worker; a turn's new tokens go with the next generation."""
+
+    def __init__(self, method: PeerMethod, prompt: Sequence[int], session: int) -> None:
+        super().__init__(_Context(prompt))
+        self.method, self.id = method, session
+        self.appended: list[int] = []  # tokens the worker has not seen yet
+
+    def extend(self, new_tokens: Sequence[Sequence[int]]) -> None:
+        self.session.extend(new_tokens)
+        self.appended += [int(t) for t in new_tokens[0]]
+
+    def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
+        _check_greedy(params)
+        method = self.method
+        if self.id != method.sessions:
+            raise DLiteError(f"peer {method.name} started session {method.sessions} after this one ({self.id}); "
+                             "its worker keeps only the newest: stream from that one.")
+        if params.max_new_tokens == 0:
+            return
+        if method.failure is not None:
+            yield _NOTHING
+            return
+        appended, self.appended = self.appended, []
+        events = 0
+        steps = method.worker.generate(appended, params.max_new_tokens, timer)
+        try:
+            for event in steps:
+                self.session.tokens[0].extend(event.new_tokens[0])
+                events += 1
+                yield event
+        except PeerFailed as exc:
+            method.fail(exc)
+            if not events:
+                yield _NOTHING
+        finally:  # also when the consumer stops early: the worker's rest of the generation is read
+            steps.close()
+
+
+def open_run(peer: Peer, backends: _Backends, prompt: Sequence[int]) -> _PeerRun:
+    """A new session of ``peer`` on its library (in its worker process)."""
+    lookup = backends.source.lookup if peer.lookup else None
+    if peer.library == "transformers":
+        return _HFRun(prompt, backends.hf_model, lookup)
+    if peer.library == "onnxruntime-genai":
+        return _OrtGenAIRun(prompt, backends.ort_genai_model(peer.weights), backends.source.max_seq_len, lookup)
+    return _LlamaCppRun(prompt, backends.llama(lookup))
+
+
+def serve_worker() -> None:
+    """A peer's worker process (``PeerMethod.worker`` starts it): its model loads on the first
+    session, with the threads the bench runs every method on (``_Backends``)."""
+    def open_runs(init: tuple[str, PeerSource], log: Log) -> Callable[[Sequence[int]], _PeerRun]:
+        name, source = init
+        peer, backends = PEERS[name], _Backends(source, log)
+        return lambda prompt: open_run(peer, backends, prompt)
+
+    serve(open_runs)
 
 
 class _Backends:
-    """The models peers load, once per bench run and shared by the peers that run the same one."""
+    """The models a peer's worker loads, once (a worker runs one peer method)."""
 
     def __init__(self, source: PeerSource, log: Log) -> None:
         self.source, self.log = source, log
@@ -477,7 +584,8 @@ def skipped_peers(names: Sequence[str], target_name: str) -> dict[str, str]:
 
 def make_peer_methods(names: Sequence[str], manifest: Any, *, threads: int | None, lookup: PromptLookupConfig,
                       log: Log) -> list[PeerMethod]:
-    """The peers among ``names`` that can run here (each other one is logged, with why)."""
+    """The peers among ``names`` that can run here (each other one is logged, with why), each to run
+    in a worker process of its own, started by its first session."""
     skipped = skipped_peers(names, manifest.target_name)
     for name, why in skipped.items():
         log(f"skipping method {name}: {why}")
@@ -485,8 +593,7 @@ def make_peer_methods(names: Sequence[str], manifest: Any, *, threads: int | Non
     if not names:
         return []
     source = peer_source(manifest, threads=threads, lookup=lookup)
-    backends = _Backends(source, log)
-    return [PeerMethod(PEERS[n], source, backends) for n in names]
+    return [PeerMethod(PEERS[n], source, log) for n in names]
 
 
 # --------------------------------------------------------------------------------------------- builds

@@ -168,6 +168,8 @@ def print_tables(report: dict, console: Any) -> None:
     _print_verify_width(report["engine"], console)
     for name, why in report.get("methods_skipped", {}).items():
         console.print(f"skipping method {name}: {why}")
+    for name, why in report.get("methods_failed", {}).items():
+        console.print(f"method {name} FAILED and is left out of the tables: {why}")
 
     for name, w in report["workloads"].items():
         table = Table(title=f"{name}: {w['tasks']} tasks, {w['requests']} requests, context up to "

@@ -189,6 +189,8 @@ def run_bench(loaded: Any, settings: BenchSettings, *, reference: Any = None, th
             cost["step_profile_skipped"] = (f"the kernel profile uses ONNX Runtime's profiler; this is a "
                                             f"{manifest.backend} engine (profile it with nsys)")
     _draft_shares(report, contexts)
+    report["methods_failed"] = {m.name: m.failure for m in methods if getattr(m, "failure", None)}
+    # the bench's process: our methods (the peers run in worker processes, not counted here)
     report["machine"]["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report["goals"] = goals(report)
     return report, workloads, records
