@@ -233,6 +233,7 @@ def test_a_crashing_peer_fails_alone(eos_engine, monkeypatch):
         assert by["hf", "t1", i].output_ids == [[]]
     assert all(by["hf-lookup", t, i].output_ids == [[]] for t, i in turns)
     assert summary["ar"]["output_tokens"] == 4 * NEW_TOKENS and summary["ar"]["lossless"]["mismatches"] == 0
+    assert set(summary) == {"ar"}  # the failed peers are left out of the summaries
 
 
 def test_a_worker_that_cannot_start_says_why():

@@ -82,8 +82,8 @@ def run_workload(name: str, tasks: Sequence[PreparedTask], methods: Sequence[Met
         for method in methods[i % len(methods):] + methods[: i % len(methods)]:
             records[method.name] += run_task(method, name, p)
             advance()
-    failed = {m.name for m in methods if getattr(m, "failure", None)}  # a peer whose worker died: left out
-    records = {name: rs for name, rs in records.items() if name not in failed}
+    # a peer whose worker died is left out of the summaries (its raw records stay, as far as it got)
+    failed = {m.name for m in methods if getattr(m, "failure", None)}
     out = {}
     baseline = records.get("ar")
     for method in (m for m in methods if m.name not in failed):
@@ -92,7 +92,7 @@ def run_workload(name: str, tasks: Sequence[PreparedTask], methods: Sequence[Met
         summary["target_kv_bytes_max"] = kv_bytes_per_token * max(p.longest for p in tasks)
         out[method.name] = summary
     add_speedups(out)
-    for method, rounds in paired_rounds(records).items():
+    for method, rounds in paired_rounds({n: rs for n, rs in records.items() if n not in failed}).items():
         out[method]["paired"] = rounds
     return out, [r for rs in records.values() for r in rs]
 

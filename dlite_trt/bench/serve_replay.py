@@ -145,7 +145,7 @@ def replay_tools(client: Any, model: str, sessions: Sequence[Any], concurrency: 
                     records.append(TurnRecord(session.task_id, request, usage["prompt_tokens"],
                                               usage["prompt_tokens_details"]["cached_tokens"], len(ids), ttft,
                                               seconds, spec["steps"], spec["accepted_draft_tokens"],
-                                              spec["proposed_draft_tokens"], ids, 0))  # no tools: no calls
+                                              spec["proposed_draft_tokens"], ids, len(calls)))
                 request += 1
                 messages.append({"role": "assistant", "content": content or None,
                                  **({"tool_calls": calls} if calls else {})})
