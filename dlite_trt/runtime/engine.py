@@ -96,10 +96,11 @@ class EngineGenerator(GeneratorBase):
                               f"{most} tokens a step), got {k!r}.")
         return k
 
-    def greedy_drafts(self, batch: int) -> int:
-        """Drafts a greedy DLite step of ``batch`` sequences verifies: the engine's calibrated width for
-        that batch size (at least 1: the step drafts), or ``verify_drafts`` where that was given."""
-        return self.verify_drafts if self.widths is None else self.widths.drafts_for(batch, drafting=True)
+    def greedy_drafts(self, batch: int, *, drafting: bool = True) -> int:
+        """Drafts a greedy step of ``batch`` sequences verifies: the engine's calibrated width for that
+        batch size (``drafting``: at least 1, the step drafts; else 0 where plain decoding pays more),
+        or ``verify_drafts`` where that was given."""
+        return self.verify_drafts if self.widths is None else self.widths.drafts_for(batch, drafting=drafting)
 
     def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:
         return EngineSession(self, prompts)

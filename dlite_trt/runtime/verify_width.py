@@ -53,6 +53,11 @@ def expected_tokens(curve: Sequence[float], drafts: int) -> float:
     return 1.0 + sum(curve[:drafts])
 
 
+def best_drafting_width(curve: Sequence[float], step_ms: Mapping[int, float]) -> int:
+    """The k >= 1 of ``step_ms`` (k -> cost) with the most expected tokens per ms; ties go to the larger k."""
+    return max(step_ms, key=lambda k: (expected_tokens(curve, k) / step_ms[k], k))
+
+
 def speculation_pays(curve: Sequence[float], step_ms: Mapping[int, float], decode_ms: float) -> int:
     """The k in 0..K that gives the most tokens per ms, 0 (plain decoding: one token per decode call)
     included; a tie with plain decoding goes to it (it risks nothing), one between widths to the larger."""
@@ -107,7 +112,7 @@ class WidthChoice:
         width = self.by_batch[next((b for b in sizes if b >= batch), sizes[-1])]
         if width.drafts or not drafting:
             return width.drafts
-        return max(width.step_ms, key=lambda k: (expected_tokens(self.curve, k) / width.step_ms[k], k))
+        return best_drafting_width(self.curve, width.step_ms)
 
     def rows(self) -> dict[int, dict[str, float]]:
         """Per k: tokens per step, step ms, tokens per ms and (with decode_ms) the predicted speedup."""
@@ -143,7 +148,7 @@ def choose(step_ms: Mapping[int, float], curve: Sequence[float], *, decode_ms: f
     in 0..K (``speculation_pays``)."""
     for costs in [step_ms, *(ms for ms, _ in (batch_ms or {}).values())]:
         _check_costs(costs, len(curve))
-    best = max(step_ms, key=lambda k: (expected_tokens(curve, k) / step_ms[k], k))
+    best = best_drafting_width(curve, step_ms)
     by_batch = {}
     for batch, (ms, dec) in sorted((batch_ms or {}).items()):
         if not batch >= 1 or not dec > 0:

@@ -366,10 +366,8 @@ class _DLiteCalls:
         self.decode = _DecodeCalls(sched, ngram)
 
     def drafts_for(self, rows: list[_Row]) -> int:
-        """Drafts a greedy step of these rows verifies: the engine's calibrated width for their number
-        (0: none, plain decoding), or --verify-drafts where that was given."""
-        widths = self.sched.generator.widths
-        return self.sched.generator.verify_drafts if widths is None else widths.drafts_for(len(rows))
+        """Drafts a greedy step of these rows verifies (0: none, plain decoding)."""
+        return self.sched.generator.greedy_drafts(len(rows), drafting=False)
 
     def prefill(self, rows: list[_Row], view: KVCache) -> list[_Result]:
         sampling = any(r.sampling for r in rows)
