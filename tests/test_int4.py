@@ -51,7 +51,9 @@ from dlite_trt.export.int4 import (
     quantize_q8_rtn,
     quantize_rtn,
     reference_matmul,
+    with_draft,
 )
+from dlite_trt.export.nbits_levels import default_draft_format
 from dlite_trt.gguf_header import checked_header, read_raw_tensors
 
 LIMITS = {"max_batch": 2, "max_seq_len": 128, "max_chunk": 8}
@@ -275,7 +277,7 @@ def test_minima_not_exact_once_shifted_use_explicit_zero_points() -> None:
 def test_a_graph_without_the_plans_matrix_is_refused() -> None:
     model, _ = _one_matmul(_blocks("Q4_1", 32, 64))
     other = _blocks("Q4_1", 32, 64, seed=5)
-    with pytest.raises(EngineError, match="1 of the target's 1 quantized matrices were not found"):
+    with pytest.raises(EngineError, match="1 of the 1 quantized matrices were not found"):
         quantize_model(model, Int4Plan(RTN, {other.name: other}, {"0" * 64: other.name}), "test")
 
 
@@ -378,9 +380,10 @@ def test_the_demo_ggufs_first_q4_1_tensor_reads_exactly(smollm2_gguf: Path) -> N
 # --------------------------------------------------------------------------------------------- an engine
 
 
-def _bundled_engine(tmp_path_factory, level: int):
+def _bundled_engine(tmp_path_factory, level: int, draft_format: str | None = None):
     """The bundled tiny pair (not a GGUF: round-to-nearest Q4_1, and at level 4 a round-to-nearest
-    Q8_0 head; its head is untied) as an int4 engine at accuracy ``level``, and its plan."""
+    Q8_0 head; its head is untied) as an int4 engine at accuracy ``level`` (the draft: ``draft_format``,
+    else the level's default), and its plan."""
     from dlite_trt.bundled import bundled_pair
     from dlite_trt.engine.build import BuildSettings, build_engine
     from dlite_trt.export.contract import EngineLimits
@@ -388,15 +391,17 @@ def _bundled_engine(tmp_path_factory, level: int):
 
     target, draft = bundled_pair()
     out = tmp_path_factory.mktemp(f"int4-l{level}") / "engine"
-    settings = BuildSettings(weights="int4", int4_accuracy_level=level, limits=EngineLimits(**LIMITS))
+    settings = BuildSettings(weights="int4", int4_accuracy_level=level, int4_draft=draft_format,
+                             limits=EngineLimits(**LIMITS))
     manifest = build_engine(target, draft, out, settings, progress=False)
     pair = load_pair(target, draft)
-    return out, manifest, pair, plan_int4(pair.generator.target, pair.source.spec, pair.source.path, level)
+    plan = plan_int4(pair.generator.target, pair.source.spec, pair.source.path, level)
+    return out, manifest, pair, with_draft(plan, pair.generator.draft, draft_format or default_draft_format(level))
 
 
 @pytest.fixture(scope="module")
 def bundled_int4(tmp_path_factory):
-    """The default: accuracy level 4, the LM head 8-bit."""
+    """The default: accuracy level 4, the LM head and the draft 8-bit."""
     return _bundled_engine(tmp_path_factory, INT8_ACTIVATIONS)
 
 
@@ -405,17 +410,30 @@ def bundled_int4_l0(tmp_path_factory):
     return _bundled_engine(tmp_path_factory, FP32_COMPUTE)
 
 
-@pytest.mark.parametrize(("engine", "level", "head"), [("bundled_int4", 4, "Q8_0"), ("bundled_int4_l0", 0, "float")])
-def test_int4_manifest_records_the_weight_format(engine: str, level: int, head: str, request) -> None:
+@pytest.fixture(scope="module")
+def bundled_int4_q4_draft(tmp_path_factory):
+    return _bundled_engine(tmp_path_factory, INT8_ACTIVATIONS, "Q4_1")
+
+
+@pytest.mark.parametrize(("engine", "level", "head", "draft"), [("bundled_int4", 4, "Q8_0", "Q8_0"),
+                                                                ("bundled_int4_l0", 0, "float", "float")])
+def test_int4_manifest_records_the_weight_format(engine: str, level: int, head: str, draft: str, request) -> None:
     from dlite_trt.engine.manifest import Manifest
 
     out, manifest, pair, plan = request.getfixturevalue(engine)
-    want = WeightFormat("int4", ("Q4_1",), RTN, len(plan.matrices), None, level, head)
+    cfg = pair.generator.draft.cfg
+    draft_matrices = (7 * cfg.num_hidden_layers + 1) if draft != "float" else 0  # the layers' and output_proj
+    want = WeightFormat("int4", ("Q4_1",), RTN, len(plan.matrices), None, level, head, draft, draft_matrices)
     assert manifest.weights == want == load_manifest(out).weights and manifest.dtype == "fp32"
     assert plan.head_format == head and len(plan.matrices) == 7 * pair.source.spec.num_hidden_layers
+    assert plan.draft_format == draft and len(plan.draft) == draft_matrices
     text = manifest.weights.describe(manifest.dtype)
     assert text.startswith("int4 weights (Q4_1 quantized round-to-nearest at build, 28 target matrices; LM head ")
     assert f"(accuracy level {level}" in text and (f"LM head {head}" if level == 4 else "LM head fp32") in text
+    assert (f"draft Q8_0 ({draft_matrices} matrices)" if draft != "float" else "draft fp32") in text
+    # a record from before the draft could be quantized reads as a float draft
+    old = {k: v for k, v in manifest.weights.to_dict().items() if not k.startswith("draft")}
+    assert WeightFormat.from_dict(old).draft == "float"
     # an int4 record that does not say how it runs is refused, never read as one level or the other
     data = manifest.to_dict()
     for key in ("accuracy_level", "head"):
@@ -482,12 +500,19 @@ def test_int4_weights_are_stored_once_for_all_graphs(bundled_int4) -> None:
 
     out, manifest, pair, plan = bundled_int4
     embed = pair.generator.target.embed_weight.detach().numpy()
+    draft_n = sorted(b.shape[0] for b in plan.draft.values())
+    k = pair.generator.draft.cfg.num_proposals  # the head projects onto its vocabulary once a drafted token
     where: dict[str, set] = {}
     for graph, paths in manifest.graphs.items():
         model = onnx.load(str(out / paths["onnx"]), load_external_data=False)
         nodes = _nbits_nodes(model)
         assert {a["bits"] for a in nodes.values()} == {4, 8} and {a["accuracy_level"] for a in nodes.values()} == {4}
-        assert [a["N"] for a in nodes.values() if a["bits"] == 8] == [manifest.target_spec.vocab_size], graph
+        eight = sorted(a["N"] for name, a in nodes.items() if a["bits"] == 8)
+        drafted = graph in ("prefill", "prefill_sampling", "step", "step_sampling")  # the graphs that run the draft
+        # the target's head once; with the draft, each of its matrices once, its output projection once a step
+        want = [manifest.target_spec.vocab_size] + (draft_n + [plan.draft[
+            "draft.sequential_head.output_proj.weight"].shape[0]] * (k - 1) if drafted else [])
+        assert eight == sorted(want), graph
         gathers = {n.input[0] for n in model.graph.node
                    if n.op_type == "Gather" and n.input[0].endswith("embed_tokens.weight")}
         assert gathers == {"target.model.embed_tokens.weight"}, graph
@@ -499,18 +524,20 @@ def test_int4_weights_are_stored_once_for_all_graphs(bundled_int4) -> None:
                 if t.name.endswith((".q4", ".q8", ".scales", ".mins")) and t.data_location == onnx.TensorProto.EXTERNAL:
                     info = ExternalDataInfo(t)
                     where.setdefault(t.name, set()).add((info.location, info.offset))
-    assert len(where) == 3 * len(plan.matrices) + 2  # q4, scales, mins of each matrix; the head's q8, scales
+    # q4, scales, mins of each target matrix; q8 and scales of the head's and of each draft matrix
+    assert len(where) == 3 * len(plan.matrices) + 2 + 2 * len(plan.draft)
     assert all(len(places) == 1 for places in where.values()), where
 
 
 PROMPTS = ("def main():\n    ", "import os\nimport")
 
 
-@pytest.mark.parametrize("engine", ["bundled_int4", "bundled_int4_l0"])
+@pytest.mark.parametrize("engine", ["bundled_int4", "bundled_int4_l0", "bundled_int4_q4_draft"])
 def test_int4_speculative_greedy_equals_its_target_only_greedy(engine: str, request) -> None:
     """At both levels (at level 4 through attention "gqa", the default: a verify and a decode call
     compute every position alike, tests/test_call_rows.py; over attention "ops" level 4's int8
-    rounding magnifies their different attention sums into different tokens at near-ties)."""
+    rounding magnifies their different attention sums into different tokens at near-ties), and with
+    the draft 8-bit (the level-4 default), 4-bit and float (level 0)."""
     from dlite_trt.runtime.engine import open_engine
     from dlite_trt.runtime.session import SamplingParams
 
@@ -535,6 +562,14 @@ def test_int4_settings_are_checked() -> None:
         WeightFormat("int4")
     with pytest.raises(ConfigError, match="accuracy level must be one of"):
         BuildSettings(weights="int4", int4_accuracy_level=2)
+    with pytest.raises(ConfigError, match="runs at int4 accuracy level 4 only"):
+        BuildSettings(weights="int4", int4_accuracy_level=0, int4_draft="Q8_0")
+    with pytest.raises(ConfigError, match="an int4 engine's setting"):
+        BuildSettings(int4_draft="Q8_0")
+    with pytest.raises(ConfigError, match="one of"):
+        BuildSettings(weights="int4", int4_draft="Q2_K")
+    with pytest.raises(EngineError, match="draft format must be one of"):
+        WeightFormat("int4", ("Q4_1",), RTN, 3, None, 0, "float", "Q8_0", 3)  # a quantized draft at level 0
 
 
 def test_the_accuracy_level_option_needs_dtype_int4() -> None:
@@ -542,5 +577,6 @@ def test_the_accuracy_level_option_needs_dtype_int4() -> None:
 
     from dlite_trt.cli.build import command
 
-    result = CliRunner().invoke(command, ["--out", "x", "--int4-accuracy-level", "0"])
-    assert result.exit_code == 2 and "--int4-accuracy-level applies to --dtype int4 only" in result.output
+    for option, value in (("--int4-accuracy-level", "0"), ("--int4-draft", "Q8_0")):
+        result = CliRunner().invoke(command, ["--out", "x", option, value])
+        assert result.exit_code == 2 and f"{option} applies to --dtype int4 only" in result.output

@@ -32,6 +32,12 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "float. Speculative output equals the engine's target-only greedy at both levels with "
                    "--attention gqa; with --attention ops only at level 0 (a verify and a decode call sum "
                    "attention in another order, which level 4's int8 rounding turns into other tokens at near-ties).")
+@click.option("--int4-draft", "int4_draft", type=click.Choice(["Q8_0", "Q4_1", "float"]), default=None,
+              help="With --dtype int4: how the draft's matrices (its layers' projections and its head's "
+                   "vocabulary-sized output projection) are stored [default: Q8_0 at accuracy level 4, float at "
+                   "level 0]. Quantized drafts run at level 4 only. Output stays exact at any setting (the target "
+                   "verifies every token); it moves the draft's cost and how many of its tokens are kept "
+                   "(docs/engine.md).")
 @click.option("--attention", type=click.Choice(["gqa", "ops"]), default=None,
               help="How the target attends over the KV cache [default: gqa for onnxruntime int4 where the "
                    "target's head_dim is a multiple of 8, else ops]. gqa: ONNX Runtime's GroupQueryAttention, writing each call's entries into the cache in "
@@ -54,7 +60,7 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "all K drafts).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str,
-            int4_accuracy_level: str | None, attention: str | None, workspace_gb: float, timing_cache: Path | None, max_seq_len: int | None,
+            int4_accuracy_level: str | None, int4_draft: str | None, attention: str | None, workspace_gb: float, timing_cache: Path | None, max_seq_len: int | None,
             max_batch: int, max_chunk: int, random_weights: bool, no_calibrate: bool, quiet: bool) -> None:
     """Compile a target (Qwen3, Llama or Qwen2) and a DLite draft into an engine directory.
 
@@ -67,14 +73,15 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     from dlite_trt.export.contract import EngineLimits
 
     check_random_weights(random_weights, target)
-    if int4_accuracy_level is not None and dtype != "int4":
-        raise click.UsageError("--int4-accuracy-level applies to --dtype int4 only.")
+    for option, value in (("--int4-accuracy-level", int4_accuracy_level), ("--int4-draft", int4_draft)):
+        if value is not None and dtype != "int4":
+            raise click.UsageError(f"{option} applies to --dtype int4 only.")
     hf_logging.disable_progress_bar()
     target, draft = pair_or_default(target, draft)
     dtype, weights = WEIGHT_ONLY_DTYPES.get(dtype, (dtype, "float"))
     level = {} if int4_accuracy_level is None else {"int4_accuracy_level": int(int4_accuracy_level)}
     settings = BuildSettings(backend=backend, dtype=dtype, weights=weights, random_weights=random_weights,
-                             workspace_gb=workspace_gb, attention=attention, **level,
+                             workspace_gb=workspace_gb, attention=attention, int4_draft=int4_draft, **level,
                              timing_cache=timing_cache, fit_seq_len_to_target=max_seq_len is None,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,
                                                  max_chunk=max_chunk))

@@ -39,8 +39,8 @@ from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
 from dlite_trt.export.cache_attention import GQA_HEAD_DIM_MULTIPLE, GQA_UNAVAILABLE, onnxruntime_takes_query_seqlens
 from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, EngineLimits, engine_contract
-from dlite_trt.export.int4 import ACCURACY_LEVELS, plan_int4, quantize_graph
-from dlite_trt.export.nbits_levels import default_accuracy_level
+from dlite_trt.export.int4 import ACCURACY_LEVELS, DRAFT_FORMATS, plan_int4, quantize_graph, with_draft
+from dlite_trt.export.nbits_levels import FP32_COMPUTE, INT8_ACTIVATIONS, default_accuracy_level, default_draft_format
 
 BACKENDS = tuple(BACKEND_DTYPES)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
@@ -53,6 +53,8 @@ class BuildSettings:
     weights: str = "float"  # "int4": the target's projections 4-bit weight-only (export/int4.py)
     # int4: MatMulNBits accuracy_level, 4 (and an 8-bit head) or 0; None: default_accuracy_level(attention), at build
     int4_accuracy_level: int | None = None
+    # int4: the draft's matrices, one of DRAFT_FORMATS; None: default_draft_format(level), at build
+    int4_draft: str | None = None
     # how the target attends over the KV cache (export/contract.py ATTENTIONS); None: default_attention(),
     # chosen at build time (it depends on the target's head_dim)
     attention: str | None = None
@@ -84,6 +86,13 @@ class BuildSettings:
         if self.int4_accuracy_level is not None and self.int4_accuracy_level not in ACCURACY_LEVELS:
             raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got "
                               f"{self.int4_accuracy_level!r}")
+        if self.int4_draft is not None and (self.weights != "int4" or self.int4_draft not in DRAFT_FORMATS):
+            raise ConfigError(f"the draft's format is an int4 engine's setting, one of {DRAFT_FORMATS}; got "
+                              f"{self.int4_draft!r} for {self.weights} weights")
+        if self.int4_draft not in (None, "float") and self.int4_accuracy_level == FP32_COMPUTE:
+            raise ConfigError(f"a {self.int4_draft} draft runs at int4 accuracy level {INT8_ACTIVATIONS} only (at "
+                              f"level {FP32_COMPUTE} a product of more than one row dequantizes the whole matrix "
+                              "first); use --int4-draft float there")
 
 
 def default_attention(backend: str, dtype: str, weights: str, head_dim: int) -> str:
@@ -103,7 +112,10 @@ def resolve(settings: BuildSettings, head_dim: int) -> BuildSettings:
         raise ConfigError(f"attention 'gqa': ONNX Runtime's GroupQueryAttention takes a head_dim that is a multiple "
                           f"of {GQA_HEAD_DIM_MULTIPLE}, this target's is {head_dim}; use attention 'ops'")
     level = default_accuracy_level(attention) if settings.int4_accuracy_level is None else settings.int4_accuracy_level
-    return replace(settings, attention=attention, int4_accuracy_level=level)
+    draft = settings.int4_draft
+    if settings.weights == "int4" and draft is None:
+        draft = default_draft_format(level)
+    return replace(settings, attention=attention, int4_accuracy_level=level, int4_draft=draft)  # checked again
 
 
 def package_versions() -> dict[str, str]:
@@ -199,9 +211,10 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
         plan, weights = None, WeightFormat()
         if int4:
             advance("int4: the target's projection matrices in 4-bit blocks (a GGUF's own, else round-to-nearest)")
-            plan = plan_int4(pair.generator.target, spec, pair.source.path, settings.int4_accuracy_level)
+            plan = with_draft(plan_int4(pair.generator.target, spec, pair.source.path, settings.int4_accuracy_level),
+                              pair.generator.draft, settings.int4_draft)
             weights = WeightFormat("int4", plan.schemes, plan.origin, len(plan.matrices), plan.gguf_sha256,
-                                   plan.accuracy_level, plan.head_format)
+                                   plan.accuracy_level, plan.head_format, plan.draft_format, len(plan.draft))
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         try:
             def graph_job(name: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ from dlite_trt.dtypes import WEIGHT_FORMATS
 from dlite_trt.engine.weights import WEIGHTS_FILE
 from dlite_trt.errors import DLiteError, EngineError
 from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, EngineLimits, GraphSpec, engine_contract
-from dlite_trt.export.nbits_levels import ACCURACY_LEVELS, FP32_COMPUTE, HEAD_SCHEME, INT8_ACTIVATIONS
+from dlite_trt.export.nbits_levels import ACCURACY_LEVELS, DRAFT_FORMATS, FP32_COMPUTE, HEAD_SCHEME, INT8_ACTIVATIONS
 from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TargetSource
 
 MANIFEST = "manifest.json"
@@ -52,9 +52,12 @@ class WeightFormat:
     4-bit blocks (``schemes``, e.g. Q4_1) on ONNX Runtime's MatMulNBits, from ``origin``: the GGUF's
     own blocks (``gguf_sha256``) or round-to-nearest at build; run at MatMulNBits ``accuracy_level``
     4 (int8 activations per block) or 0 (fp32 compute); ``head`` "Q8_0": the LM head as 8-bit
-    blocks from the same origin (level 4 only), "float": in ``dtype``; everything else in ``dtype``.
+    blocks from the same origin (level 4 only), "float": in ``dtype``; ``draft`` "Q8_0" / "Q4_1": the
+    draft's ``draft_matrices`` matrices (its layers' projections and its head's output projection)
+    round-to-nearest in those blocks (level 4 only), "float": in ``dtype``; everything else in ``dtype``.
     An int4 record always states its accuracy level and head (``from_dict`` refuses one without:
-    an engine built one way is never read as the other)."""
+    an engine built one way is never read as the other); one without ``draft`` was built before the
+    draft could be quantized, and its draft is float."""
 
     format: str = "float"
     schemes: tuple[str, ...] = ()
@@ -63,6 +66,8 @@ class WeightFormat:
     gguf_sha256: str | None = None
     accuracy_level: int | None = None  # int4: MatMulNBits accuracy_level (export/int4.ACCURACY_LEVELS)
     head: str = "float"  # int4: the LM head's format (HEAD_FORMATS)
+    draft: str = "float"  # int4: the draft's format (DRAFT_FORMATS)
+    draft_matrices: int = 0  # int4: draft matrices stored in ``draft`` blocks
 
     def __post_init__(self) -> None:
         if self.format not in WEIGHT_FORMATS:
@@ -81,6 +86,11 @@ class WeightFormat:
         if self.head not in HEAD_FORMATS or (self.head != "float" and self.accuracy_level != INT8_ACTIVATIONS):
             raise EngineError(f"LM head format must be one of {HEAD_FORMATS}, {HEAD_SCHEME} only at accuracy level "
                               f"{INT8_ACTIVATIONS}; got {self.head!r} at level {self.accuracy_level!r}")
+        if self.draft not in DRAFT_FORMATS or (self.draft != "float") != (self.draft_matrices > 0) or (
+                self.draft != "float" and self.accuracy_level != INT8_ACTIVATIONS):
+            raise EngineError(f"draft format must be one of {DRAFT_FORMATS} (quantized only at accuracy level "
+                              f"{INT8_ACTIVATIONS}, with its matrix count); got {self.draft!r}, {self.draft_matrices} "
+                              f"matrices at level {self.accuracy_level!r}")
 
     def describe(self, dtype: str) -> str:
         """``fp32`` / ``int4 weights (Q4_1 from the GGUF, exact, 210 target matrices; LM head Q8_0),
@@ -89,13 +99,15 @@ class WeightFormat:
             return dtype
         origin = "from the GGUF, exact" if self.origin == "gguf" else "quantized round-to-nearest at build"
         head = f"LM head {self.head}" if self.head != "float" else f"LM head {dtype}"
-        return (f"{self.format} weights ({'/'.join(self.schemes)} {origin}, {self.matrices} target matrices; {head}), "
-                f"{ACCURACY_MEANING[self.accuracy_level]}, {dtype} elsewhere")
+        draft = f"draft {self.draft} ({self.draft_matrices} matrices)" if self.draft != "float" else f"draft {dtype}"
+        return (f"{self.format} weights ({'/'.join(self.schemes)} {origin}, {self.matrices} target matrices; {head}; "
+                f"{draft}), {ACCURACY_MEANING[self.accuracy_level]}, {dtype} elsewhere")
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": self.format, "schemes": list(self.schemes), "origin": self.origin,
                 "matrices": self.matrices, "gguf_sha256": self.gguf_sha256,
-                "accuracy_level": self.accuracy_level, "head": self.head}
+                "accuracy_level": self.accuracy_level, "head": self.head, "draft": self.draft,
+                "draft_matrices": self.draft_matrices}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "manifest") -> WeightFormat:
@@ -105,7 +117,8 @@ class WeightFormat:
                               "`dlite-trt build --dtype int4`.")
         return cls(format=data["format"], schemes=tuple(data["schemes"]), origin=data["origin"],
                    matrices=data["matrices"], gguf_sha256=data["gguf_sha256"],
-                   accuracy_level=data.get("accuracy_level"), head=data.get("head", "float"))
+                   accuracy_level=data.get("accuracy_level"), head=data.get("head", "float"),
+                   draft=data.get("draft", "float"), draft_matrices=data.get("draft_matrices", 0))
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

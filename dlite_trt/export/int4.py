@@ -11,9 +11,16 @@ What is quantized and what stays float (``dlite-trt build --dtype int4``):
   bits=8 from Q8_0 blocks (fp16 scale d per 32 weights, w = d * q, q int8): a GGUF's own head
   blocks when the file stores it as Q8_0 (SmolLM2's tied token_embd), else round-to-nearest Q8_0
   by gguf's quantizer for a target that is no GGUF. A GGUF head of another type stays float.
+- 8-bit (Q8_0, the default) or 4-bit (Q4_1), at accuracy level 4 only (``with_draft``,
+  ``--int4-draft``): the draft's matrices that run as a product of activations and a weight,
+  round-to-nearest: every ``nn.Linear`` of its layers and its head's vocabulary-sized output
+  projection (``draft_projections``). They sit outside ``/target/``; the head's products are inside
+  the ``LowRankRecurrence`` function, which ``quantize_graph`` inlines first (ONNX Runtime inlines it
+  anyway), one product per drafted token, all reading the same stored blocks.
 - float (the engine's dtype, fp32): the activations between the matmuls, the embedding Gather
-  (also where the draft reads the target's embedding), every norm, the projection biases, all the
-  draft's weights, and the LM head at accuracy level 0 (``MatMulNBits`` bits=8 has no fast fp32
+  (also where the draft reads the target's embedding), every norm, the projection biases, the
+  draft's head's small Gemms (state_proj, state_hidden_mlp), the whole draft with
+  ``--int4-draft float`` (the default at level 0), and the LM head at accuracy level 0 (``MatMulNBits`` bits=8 has no fast fp32
   kernel on ONNX Runtime's CPU provider: 364 ms for SmolLM2's [1, 576] x [576, 49152] head against
   16 ms as a float MatMul and 9.5 ms at level 4).
 
@@ -45,7 +52,8 @@ The rewrite is a post-export ONNX graph surgery (``quantize_graph``): the model 
 touched. A matrix is found by its weight, not its name: a MatMul under ``/target/`` whose weight
 initializer holds exactly the transposed fp32 matrix (W^T, [K, N], as the TorchScript exporter
 folds it; for a tied head that is a copy of the embedding, so the Gathers keep theirs), or a
-Transpose of W. Every graph must contain every quantized matrix, or the build fails. The new
+Transpose of W; a draft matrix the same way outside ``/target/``. Every graph must contain every
+quantized target matrix (and every graph that runs the draft every draft matrix), or the build fails. The new
 initializers are named after the checkpoint parameter (``model.layers.0.self_attn.q_proj.weight.q4``
 / ``.scales`` / ``.zero_points`` / ``.mins``, ``lm_head.weight.q8`` / ``.scales``) and are bytewise
 the same in every graph, so ``engine/weights.py`` stores each once.
@@ -55,17 +63,19 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.inliner
 from onnx import helper, numpy_helper
 
 from dlite_trt.errors import ConfigError, EngineError
 from dlite_trt.export.nbits_levels import (  # noqa: F401 (re-exported: the build reads them here)
     ACCURACY_LEVELS,
     DEFAULT_ACCURACY_LEVEL,
+    DRAFT_FORMATS,
     FP32_COMPUTE,
     HEAD_SCHEME,
     INT8_ACTIVATIONS,
@@ -78,6 +88,7 @@ CONTRIB_DOMAIN = "com.microsoft"
 TARGET_SCOPE = "/target/"  # node-name prefix of the target's ops in every engine graph
 RTN = "round-to-nearest"
 GGUF = "gguf"
+DRAFT_PREFIX = "draft."  # the draft's matrices in a plan: its checkpoint parameter names, prefixed
 
 
 # --------------------------------------------------------------------------------------------- blocks
@@ -221,6 +232,9 @@ class Int4Plan:
     gguf_sha256: str | None = None
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
     head: Q8Blocks | None = None  # the LM head 8-bit (accuracy level 4 only); None: it stays float
+    # the draft's matrices (``draft.``-prefixed parameter names; accuracy level 4 only), found in the graphs
+    # that run the draft; their sha256 keys are in ``keys`` too
+    draft: dict[str, Q4Blocks | Q8Blocks] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.accuracy_level not in ACCURACY_LEVELS:
@@ -228,6 +242,10 @@ class Int4Plan:
         if self.head is not None and self.accuracy_level != INT8_ACTIVATIONS:
             raise ConfigError(f"an 8-bit LM head runs at accuracy level {INT8_ACTIVATIONS} only (at level "
                               f"{self.accuracy_level} MatMulNBits bits=8 is ~20x slower than a float MatMul)")
+        if self.draft and self.accuracy_level != INT8_ACTIVATIONS:
+            raise ConfigError(f"a quantized draft runs at accuracy level {INT8_ACTIVATIONS} only (at level "
+                              f"{self.accuracy_level} a MatMulNBits of more than one row dequantizes its whole matrix "
+                              "first, and the draft's backbone runs G + K rows)")
 
     @property
     def schemes(self) -> tuple[str, ...]:
@@ -237,12 +255,18 @@ class Int4Plan:
     def head_format(self) -> str:
         return "float" if self.head is None else self.head.scheme
 
+    @property
+    def draft_format(self) -> str:
+        return next(iter(self.draft.values())).scheme if self.draft else "float"
+
     def blocks(self, name: str) -> Q4Blocks | Q8Blocks:
-        return self.head if self.head is not None and name == self.head.name else self.matrices[name]
+        if self.head is not None and name == self.head.name:
+            return self.head
+        return self.draft[name] if name.startswith(DRAFT_PREFIX) else self.matrices[name]
 
     @property
     def names(self) -> set[str]:
-        """Every parameter the rewrite replaces in each graph."""
+        """Every target parameter the rewrite replaces in each graph."""
         return set(self.matrices) | ({self.head.name} if self.head is not None else set())
 
 
@@ -262,6 +286,19 @@ def target_projections(target) -> dict[str, np.ndarray]:
     if not out:
         raise EngineError("the target has no projection matrices to quantize (no nn.Linear in model.layers)")
     return out
+
+
+def draft_projections(draft) -> dict[str, np.ndarray]:
+    """The draft's matrices that run as a MatMul of activations and a weight, by ``draft.``-prefixed
+    parameter name, [N, K] float32: every nn.Linear of its layers and its head's vocabulary-sized
+    ``output_proj`` (one product a drafted token). The head's state_proj and state_hidden_mlp (Gemms
+    with a bias, 2r x 2r and r x (r + H)) stay float: small next to those."""
+    from torch import nn
+
+    out = {f"{DRAFT_PREFIX}layers.{name}.weight": module.weight for name, module in draft.layers.named_modules()
+           if isinstance(module, nn.Linear)}
+    out[f"{DRAFT_PREFIX}sequential_head.output_proj.weight"] = draft.sequential_head.output_proj.weight
+    return {name: w.detach().float().cpu().numpy() for name, w in out.items() if w.shape[1] % BLOCK == 0}
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
@@ -363,6 +400,23 @@ def plan_int4(target, spec, target_dir: Path | None, accuracy_level: int = DEFAU
     return Int4Plan(GGUF, matrices, keys, read_import_record(target_dir)["sha256"], accuracy_level, head)
 
 
+def with_draft(plan: Int4Plan, draft, scheme: str) -> Int4Plan:
+    """``plan`` plus the draft's matrices (``draft_projections``) round-to-nearest in ``scheme`` (Q8_0 or
+    Q4_1); "float": ``plan`` as it is. A matrix whose input dim is no multiple of 32 stays float."""
+    if scheme not in DRAFT_FORMATS:
+        raise ConfigError(f"the draft of an int4 engine is stored as one of {DRAFT_FORMATS}, not {scheme!r}")
+    if scheme == "float":
+        return plan
+    quantize = quantize_q8_rtn if scheme == HEAD_SCHEME else quantize_rtn
+    weights = draft_projections(draft)
+    keys: dict[str, str] = {}
+    for name, w in weights.items():  # equal matrices (an untrained draft's) are one entry: the graph folds them too
+        keys.setdefault(_weight_key(w.T), name)
+    keys = {k: n for k, n in keys.items() if k not in plan.keys}
+    return replace(plan, draft={name: quantize(name, weights[name]) for name in keys.values()},
+                   keys=plan.keys | keys)
+
+
 # --------------------------------------------------------------------------------------------- ONNX inputs
 
 
@@ -434,21 +488,25 @@ def _matched_weight(node: onnx.NodeProto, inits: dict, producers: dict, plan: In
     return None
 
 
-def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str) -> int:
-    """Replace every target projection MatMul of ``model`` (weights loaded) by its int4 form, and
-    the LM head's by its 8-bit form where the plan has one, in place; returns how many MatMuls.
-    Raises EngineError unless every matrix of the plan was found."""
+def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draft: bool = False) -> int:
+    """Replace every target projection MatMul of ``model`` (weights loaded) by its int4 form, the LM
+    head's by its 8-bit form where the plan has one, and with ``runs_draft`` the draft's by the plan's
+    draft blocks, in place; returns how many MatMuls. Raises EngineError unless every matrix wanted
+    was found. The draft's head is inside the recurrence's function: ``quantize_graph`` inlines it first."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
-    shapes = {plan.blocks(name).shape for name in plan.names}
+    wanted = plan.names | (set(plan.draft) if runs_draft else set())
+    shapes = {plan.blocks(name).shape for name in wanted}
     added: dict[str, onnx.TensorProto] = {}
     block_sums: dict[str, str] = {}  # activation -> its BlockSum output
     found: dict[str, int] = {}
+    scopes: set[str] = set()
     nodes = []
     for node in graph.node:
-        name = _matched_weight(node, inits, producers, plan, shapes) \
-            if node.op_type == "MatMul" and node.name.startswith(TARGET_SCOPE) else None
+        name = _matched_weight(node, inits, producers, plan, shapes) if node.op_type == "MatMul" else None
+        if name is not None and name.startswith(DRAFT_PREFIX) == node.name.startswith(TARGET_SCOPE):
+            name = None  # a target matrix only under the target's scope, a draft's only outside it
         if name is None:
             nodes.append(node)
             continue
@@ -458,6 +516,9 @@ def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str) -> int:
         head = isinstance(blocks, Q8Blocks)
         t = q8_nbits_tensors(blocks) if head else nbits_tensors(blocks)
         scope = node.name.rsplit("/", 1)[0]  # /target/q_proj_1
+        if scope in scopes:  # two products in one scope (the inlined recurrence's steps): the node's own name
+            scope = node.name
+        scopes.add(scope)
         x, y = node.input[0], node.output[0]
         inputs = [x, f"{name}.{'q8' if head else 'q4'}", f"{name}.scales"]
         added[inputs[1]] = numpy_helper.from_array(t.qweight, inputs[1])
@@ -479,11 +540,11 @@ def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str) -> int:
             nodes.append(helper.make_node("MatMul", [block_sums[x], f"{name}.mins"], [f"{scope}/mins_output_0"],
                                           name=f"{scope}/mins"))
             nodes.append(helper.make_node("Add", [out, f"{scope}/mins_output_0"], [y], name=f"{scope}/add_mins"))
-    missing = sorted(plan.names - set(found))
+    missing = sorted(wanted - set(found))
     if missing:
-        raise EngineError(f"{where}: {len(missing)} of the target's {len(plan.names)} quantized matrices were not "
-                          f"found as a MatMul weight under {TARGET_SCOPE} (e.g. {missing[0]}); the exported graph "
-                          "has a form the int4 rewrite does not know.")
+        raise EngineError(f"{where}: {len(missing)} of the {len(wanted)} quantized matrices were not found as a "
+                          f"MatMul weight (the target's under {TARGET_SCOPE}, the draft's outside it; e.g. "
+                          f"{missing[0]}); the exported graph has a form the int4 rewrite does not know.")
     consumed = {i for node in nodes for i in node.input} | {o.name for o in graph.output}
     # a Transpose of W that only fed a replaced MatMul (the Transpose form of _matched_weight) goes too
     nodes = [n for n in nodes if n.op_type != "Transpose" or any(o in consumed for o in n.output)
@@ -501,9 +562,14 @@ def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str) -> int:
 
 def quantize_graph(path: Path, plan: Int4Plan) -> int:
     """Rewrite an exported graph file (``path`` + its external ``path.data``) in place."""
+    from dlite_trt.export.recurrence import recurrence_nodes
+
     path = Path(path)
     model = onnx.load(str(path))  # with its external data
-    count = quantize_model(model, plan, str(path))
+    runs_draft = bool(plan.draft) and bool(recurrence_nodes(model))
+    if runs_draft:  # the head's products are in the recurrence's body: inline it (ONNX Runtime would anyway)
+        model = onnx.inliner.inline_local_functions(model)
+    count = quantize_model(model, plan, str(path), runs_draft)
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
