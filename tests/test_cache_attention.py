@@ -96,6 +96,10 @@ def test_lowered_nodes(pair: Pair) -> None:
             assert len(node.input) == QUERY_SEQLENS_INPUT + 1 and node.input[7:QUERY_SEQLENS_INPUT] == [""] * 9
             assert (node.input[3], node.input[4]) == (f"past_key.{layer}", f"past_value.{layer}")
             assert (node.output[1], node.output[2]) == (f"present_key.{layer}", f"present_value.{layer}")
+        # the lengths are computed once, for every layer, and nothing of the per-layer copies is left
+        assert len({(n.input[5], n.input[6], n.input[QUERY_SEQLENS_INPUT]) for n in nodes}) == 1
+        read = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+        assert all(any(o in read for o in n.output) for n in model.graph.node), graph
         opsets = {o.domain for o in model.opset_import}
         assert ORT_DOMAIN in opsets and (DOMAIN in opsets) == (graph != "decode")
         assert not [n for n in model.graph.node if n.domain == DOMAIN and n.op_type != "LowRankRecurrence"]

@@ -274,6 +274,71 @@ def test_minima_not_exact_once_shifted_use_explicit_zero_points() -> None:
     _check_against_blocks(model, blocks)
 
 
+def _shared_input_graph(blocks: list[Q4Blocks | Q8Blocks], scope: str) -> onnx.ModelProto:
+    """x [B, T, K] @ each matrix's W^T, as the exporter writes q/k/v (one activation, three products)."""
+    k = blocks[0].shape[1]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"], name=f"{scope}/p{i}/MatMul") for i in range(len(blocks))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", k])],
+                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["B", "T", b.shape[0]])
+                               for i, b in enumerate(blocks)],
+                              [numpy_helper.from_array(np.ascontiguousarray(b.dequantize().T), f"w{i}")
+                               for i, b in enumerate(blocks)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("level", [FP32_COMPUTE, INT8_ACTIVATIONS])
+@pytest.mark.parametrize("scheme", ["Q4_1", "Q4_0", "Q8_0"])
+def test_products_of_one_activation_run_as_one_node_with_each_products_columns(scheme: str, level: int) -> None:
+    """q/k/v (or gate/up) stacked along N into one MatMulNBits and split: bitwise the columns each
+    matrix's own node gives, at both levels, at 1 and several rows."""
+    from dataclasses import replace
+
+    if scheme == "Q8_0":  # 8-bit products of a draft (level 4 only), outside the target's scope
+        if level == FP32_COMPUTE:
+            pytest.skip("an 8-bit draft runs at level 4 only")
+        blocks = [replace(_q8_blocks(n, 160, seed=i), name=f"draft.layers.0.p{i}.weight")
+                  for i, n in enumerate((32, 64, 96))]
+        scope, plan = "/layers.0", Int4Plan(RTN, {}, {}, accuracy_level=level, draft={b.name: b for b in blocks})
+    else:
+        blocks = [replace(_blocks(scheme, n, 160, seed=i), name=f"model.layers.0.p{i}.weight")
+                  for i, n in enumerate((32, 64, 96))]
+        scope, plan = "/target", Int4Plan(RTN, {b.name: b for b in blocks}, {}, accuracy_level=level)
+    keys = {hashlib.sha256(np.ascontiguousarray(b.dequantize().T).tobytes()).hexdigest(): b.name for b in blocks}
+    plan = replace(plan, keys=keys)
+    fused = _shared_input_graph(blocks, scope)
+    assert quantize_model(fused, plan, "test", runs_draft=scheme == "Q8_0") == 3
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("MatMulNBits") == 1 and ops.count("Split") == 1
+    assert ops.count("MatMul") == (2 if scheme == "Q4_1" else 0)  # one BlockSum and one product with the minima
+    rng = np.random.default_rng(3)
+    session = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"])
+    for b in blocks:
+        alone = _shared_input_graph([b], scope)
+        only = {"draft": {b.name: b}} if scheme == "Q8_0" else {"matrices": {b.name: b}}
+        quantize_model(alone, replace(plan, keys={k: n for k, n in keys.items() if n == b.name}, **only), "test",
+                       runs_draft=scheme == "Q8_0")
+        assert [n.op_type for n in alone.graph.node].count("Split") == 0
+        one = ort.InferenceSession(alone.SerializeToString(), providers=["CPUExecutionProvider"])
+        for shape in ((1, 1, 160), (1, 2, 160), (3, 5, 160)):
+            x = rng.standard_normal(shape).astype(np.float32)
+            i = blocks.index(b)
+            np.testing.assert_array_equal(session.run([f"y{i}"], {"x": x})[0], one.run(None, {"x": x})[0])
+
+
+def test_products_in_other_forms_are_not_stacked() -> None:
+    """A Q4_1 matrix whose shifted minima are not exact (explicit zero points) runs apart from the others."""
+    from dataclasses import replace
+
+    blocks = [replace(_blocks("Q4_1", 64, 64, seed=i), name=f"model.layers.0.p{i}.weight") for i in range(3)]
+    blocks[2].scales[3, 1], blocks[2].mins[3, 1] = 1.0, np.float32(np.float16(2.0 ** -14 * (1 + 2.0 ** -10)))
+    keys = {hashlib.sha256(np.ascontiguousarray(b.dequantize().T).tobytes()).hexdigest(): b.name for b in blocks}
+    model = _shared_input_graph(blocks, "/target")
+    quantize_model(model, Int4Plan(RTN, {b.name: b for b in blocks}, keys), "test")
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert sorted(len(n.input) for n in nbits) == [3, 4]  # the stacked pair, and the one with zero points
+    assert [n.op_type for n in model.graph.node].count("MatMul") == 3  # one BlockSum, two products with minima
+
+
 def test_a_graph_without_the_plans_matrix_is_refused() -> None:
     model, _ = _one_matmul(_blocks("Q4_1", 32, 64))
     other = _blocks("Q4_1", 32, 64, seed=5)
@@ -488,31 +553,39 @@ def test_int4_graphs_match_the_reference_on_dequantized_weights(bundled_int4_l0)
 
 
 def _nbits_nodes(model: onnx.ModelProto) -> dict[str, dict]:
+    """Each MatMulNBits' attributes, and ``names``: the parameters its weights stack ("+"-joined)."""
     return {n.name: {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            | {"names": n.input[1].rsplit(".", 1)[0].split("+")}
             for n in model.graph.node if n.op_type == "MatMulNBits"}
 
 
 def test_int4_weights_are_stored_once_for_all_graphs(bundled_int4) -> None:
     """Every int4 and 8-bit tensor of every graph points at one place in weights.bin; every graph
-    runs the head 8-bit at level 4 and the projections 4-bit, and its embedding Gathers (the
-    target's, and the draft's in the step and prefill graphs) read the float embedding."""
+    runs the head 8-bit at level 4 and the projections 4-bit, each matrix exactly where the model
+    multiplies by it (stacked with the others of its activation: q/k/v, gate/up), and its embedding
+    Gathers (the target's, and the draft's in the step and prefill graphs) read the float embedding."""
     from onnx.external_data_helper import ExternalDataInfo
 
     out, manifest, pair, plan = bundled_int4
     embed = pair.generator.target.embed_weight.detach().numpy()
-    draft_n = sorted(b.shape[0] for b in plan.draft.values())
     k = pair.generator.draft.cfg.num_proposals  # the head projects onto its vocabulary once a drafted token
+    layers = pair.source.spec.num_hidden_layers
     where: dict[str, set] = {}
     for graph, paths in manifest.graphs.items():
         model = onnx.load(str(out / paths["onnx"]), load_external_data=False)
         nodes = _nbits_nodes(model)
         assert {a["bits"] for a in nodes.values()} == {4, 8} and {a["accuracy_level"] for a in nodes.values()} == {4}
-        eight = sorted(a["N"] for name, a in nodes.items() if a["bits"] == 8)
+        for a in nodes.values():
+            assert a["N"] == sum(plan.blocks(name).shape[0] for name in a["names"]), a
+        covered = sorted(name for a in nodes.values() for name in a["names"])
         drafted = graph in ("prefill", "prefill_sampling", "step", "step_sampling")  # the graphs that run the draft
-        # the target's head once; with the draft, each of its matrices once, its output projection once a step
-        want = [manifest.target_spec.vocab_size] + (draft_n + [plan.draft[
-            "draft.sequential_head.output_proj.weight"].shape[0]] * (k - 1) if drafted else [])
-        assert eight == sorted(want), graph
+        # every target matrix and the head once; with the draft, each of its matrices once, its output projection
+        # once a drafted token
+        want = sorted(plan.names) if not drafted else sorted(
+            list(plan.names) + list(plan.draft) + ["draft.sequential_head.output_proj.weight"] * (k - 1))
+        assert covered == want, graph
+        # per target layer: q/k/v stacked, o, gate/up stacked, down
+        assert sum(a["bits"] == 4 and a["names"][0].startswith("model.") for a in nodes.values()) == 4 * layers, graph
         gathers = {n.input[0] for n in model.graph.node
                    if n.op_type == "Gather" and n.input[0].endswith("embed_tokens.weight")}
         assert gathers == {"target.model.embed_tokens.weight"}, graph
@@ -524,8 +597,6 @@ def test_int4_weights_are_stored_once_for_all_graphs(bundled_int4) -> None:
                 if t.name.endswith((".q4", ".q8", ".scales", ".mins")) and t.data_location == onnx.TensorProto.EXTERNAL:
                     info = ExternalDataInfo(t)
                     where.setdefault(t.name, set()).add((info.location, info.offset))
-    # q4, scales, mins of each target matrix; q8 and scales of the head's and of each draft matrix
-    assert len(where) == 3 * len(plan.matrices) + 2 + 2 * len(plan.draft)
     assert all(len(places) == 1 for places in where.values()), where
 
 

@@ -35,16 +35,27 @@ def cache_attention_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == CACHE_ATTENTION_OP]
 
 
+SHARED_INPUTS = (5, 6, 7)  # seqlens_k, total_sequence_length, query_seqlens: the same for every layer
+
+
 def lower_cache_attention(model: onnx.ModelProto) -> int:
-    """Make every CacheAttention node a GroupQueryAttention (in place); returns how many."""
+    """Make every CacheAttention node a GroupQueryAttention (in place); returns how many. The
+    lengths (seqlens_k, total_sequence_length, query_seqlens) are computed once: every layer's are
+    the same values (from the graph's past_len, the call's T and the buffers' capacity, which all
+    layers share), and the exporter writes them once per layer (about 10 nodes each, dropped here)."""
     nodes = cache_attention_nodes(model)
     for node in nodes:
         if len(node.input) != 8 or len(node.output) != 3:
             raise ValueError(f"{CACHE_ATTENTION_OP} node {node.name} has {len(node.input)} inputs and "
                              f"{len(node.output)} outputs, expected 8 and 3")
+    shared = {i: nodes[0].input[i] for i in SHARED_INPUTS} if nodes else {}  # computed before any layer's node
+    for node in nodes:
+        for i, name in shared.items():
+            node.input[i] = name
         *first, query_seqlens = node.input
         node.domain, node.op_type = ORT_DOMAIN, ORT_OP
         node.input[:] = [*first, *[""] * (QUERY_SEQLENS_INPUT - len(first)), query_seqlens]
+    drop_unused_nodes(model)
     if nodes and not any(op.domain == ORT_DOMAIN for op in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(ORT_DOMAIN, 1))
     if not any(n.domain == DOMAIN for n in model.graph.node):  # the decode graph: nothing of ours is left
@@ -52,6 +63,31 @@ def lower_cache_attention(model: onnx.ModelProto) -> int:
         del model.opset_import[:]
         model.opset_import.extend(keep)
     return len(nodes)
+
+
+def drop_unused_nodes(model: onnx.ModelProto) -> int:
+    """Remove the nodes none of whose outputs is read (by a node or as a graph output), until none is
+    left; returns how many."""
+    graph, dropped = model.graph, 0
+    while True:
+        read = _read_names(graph.node) | {o.name for o in graph.output}
+        kept = [n for n in graph.node if any(o in read for o in n.output)]
+        if len(kept) == len(graph.node):
+            return dropped
+        dropped += len(graph.node) - len(kept)
+        del graph.node[:]
+        graph.node.extend(kept)
+
+
+def _read_names(nodes) -> set[str]:
+    """Every value name the nodes read, their subgraphs' (If, Loop, Scan bodies) reads included."""
+    read = set()
+    for n in nodes:
+        read.update(n.input)
+        for a in n.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                read |= _read_names(sub.node)
+    return read
 
 
 @functools.cache

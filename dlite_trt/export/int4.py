@@ -57,6 +57,14 @@ quantized target matrix (and every graph that runs the draft every draft matrix)
 initializers are named after the checkpoint parameter (``model.layers.0.self_attn.q_proj.weight.q4``
 / ``.scales`` / ``.zero_points`` / ``.mins``, ``lm_head.weight.q8`` / ``.scales``) and are bytewise
 the same in every graph, so ``engine/weights.py`` stores each once.
+
+Products of one activation in one form (q/k/v of a layer, gate/up) run as one ``MatMulNBits``
+over their matrices stacked along N, one product with their stacked minima, and a Split
+(``_product_nodes``): each output column is a dot product along K of its own codes, so the stacked
+node's columns equal, bitwise, each matrix's own node's (tests/test_int4.py, 1 to 15 rows, both
+levels). Their initializers are named after the parameters joined by "+". With the lengths of
+GroupQueryAttention computed once (export/cache_attention.py) that takes SmolLM2's decode graph
+from 1,936 to 1,465 nodes; docs/engine.md has what it saves.
 """
 
 from __future__ import annotations
@@ -488,6 +496,59 @@ def _matched_weight(node: onnx.NodeProto, inits: dict, producers: dict, plan: In
     return None
 
 
+def _nbits_tensors(blocks: Q4Blocks | Q8Blocks) -> NBitsTensors:
+    return q8_nbits_tensors(blocks) if isinstance(blocks, Q8Blocks) else nbits_tensors(blocks)
+
+
+def _concatenated(names: list[str], tensors: dict[str, NBitsTensors]) -> NBitsTensors:
+    """Matrices of one K and one form stacked along N: each output column is computed alone (a
+    dot product along K of its own codes), so the stacked product's columns are those of each."""
+    parts = [tensors[n] for n in names]
+    zero_points = None if parts[0].zero_points is None else np.concatenate([t.zero_points for t in parts])
+    mins = None if parts[0].mins is None else np.concatenate([t.mins for t in parts], axis=1)
+    return NBitsTensors(np.concatenate([t.qweight for t in parts]), np.concatenate([t.scales for t in parts]),
+                        zero_points, mins)
+
+
+def _product_nodes(x: str, products: list[tuple[str, str, str]], tensors: dict[str, NBitsTensors], level: int,
+                 added: dict[str, onnx.TensorProto], block_sums: dict[str, str]) -> list[onnx.NodeProto]:
+    """The nodes computing ``products`` (parameter name, scope, output), all of activation ``x``: one
+    MatMulNBits (with its minima's product and sum for Q4_1) over their matrices stacked along N,
+    split into each product's output. Fused initializers are named after their parameters joined by
+    "+" (the same bytes in every graph that has the group, so stored once)."""
+    names = [name for name, _, _ in products]
+    name, scope = "+".join(names), products[0][1] + ("/fused" if len(products) > 1 else "")
+    t = tensors[names[0]] if len(names) == 1 else _concatenated(names, tensors)
+    n, kb = t.qweight.shape[:2]
+    eight = t.qweight.shape[-1] == BLOCK
+    inputs = [x, f"{name}.{'q8' if eight else 'q4'}", f"{name}.scales"]
+    added[inputs[1]] = numpy_helper.from_array(t.qweight, inputs[1])
+    added[inputs[2]] = numpy_helper.from_array(t.scales, inputs[2])
+    if t.zero_points is not None:
+        inputs.append(f"{name}.zero_points")
+        added[inputs[3]] = numpy_helper.from_array(t.zero_points, inputs[3])
+    outputs = [y for _, _, y in products]
+    y = outputs[0] if len(outputs) == 1 else f"{scope}/output_0"
+    out = y if t.mins is None else f"{scope}/MatMulNBits_output_0"
+    nodes = [helper.make_node("MatMulNBits", inputs, [out], name=f"{scope}/MatMulNBits", domain=CONTRIB_DOMAIN,
+                              K=kb * BLOCK, N=n, bits=8 if eight else 4, block_size=BLOCK, accuracy_level=level)]
+    if t.mins is not None:
+        if x not in block_sums:
+            e = f"int4.block_sum.{kb * BLOCK}"
+            added.setdefault(e, numpy_helper.from_array(block_sum_matrix(kb * BLOCK), e))
+            block_sums[x] = f"{scope}/block_sum_output_0"
+            nodes.append(helper.make_node("MatMul", [x, e], [block_sums[x]], name=f"{scope}/block_sum"))
+        added[f"{name}.mins"] = numpy_helper.from_array(t.mins, f"{name}.mins")
+        nodes.append(helper.make_node("MatMul", [block_sums[x], f"{name}.mins"], [f"{scope}/mins_output_0"],
+                                      name=f"{scope}/mins"))
+        nodes.append(helper.make_node("Add", [out, f"{scope}/mins_output_0"], [y], name=f"{scope}/add_mins"))
+    if len(outputs) > 1:
+        sizes = f"{scope}/split_sizes"
+        added[sizes] = numpy_helper.from_array(np.array([tensors[n].qweight.shape[0] for n in names], np.int64), sizes)
+        nodes.append(helper.make_node("Split", [y, sizes], outputs, name=f"{scope}/split", axis=-1))
+    return nodes
+
+
 def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draft: bool = False) -> int:
     """Replace every target projection MatMul of ``model`` (weights loaded) by its int4 form, the LM
     head's by its 8-bit form where the plan has one, and with ``runs_draft`` the draft's by the plan's
@@ -502,44 +563,33 @@ def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draf
     block_sums: dict[str, str] = {}  # activation -> its BlockSum output
     found: dict[str, int] = {}
     scopes: set[str] = set()
-    nodes = []
-    for node in graph.node:
+    matches: dict[int, tuple[str, str]] = {}  # node index -> (parameter name, scope)
+    for i, node in enumerate(graph.node):
         name = _matched_weight(node, inits, producers, plan, shapes) if node.op_type == "MatMul" else None
         if name is not None and name.startswith(DRAFT_PREFIX) == node.name.startswith(TARGET_SCOPE):
             name = None  # a target matrix only under the target's scope, a draft's only outside it
         if name is None:
-            nodes.append(node)
             continue
         found[name] = found.get(name, 0) + 1
-        blocks = plan.blocks(name)
-        n, k = blocks.shape
-        head = isinstance(blocks, Q8Blocks)
-        t = q8_nbits_tensors(blocks) if head else nbits_tensors(blocks)
         scope = node.name.rsplit("/", 1)[0]  # /target/q_proj_1
         if scope in scopes:  # two products in one scope (the inlined recurrence's steps): the node's own name
             scope = node.name
         scopes.add(scope)
-        x, y = node.input[0], node.output[0]
-        inputs = [x, f"{name}.{'q8' if head else 'q4'}", f"{name}.scales"]
-        added[inputs[1]] = numpy_helper.from_array(t.qweight, inputs[1])
-        added[inputs[2]] = numpy_helper.from_array(t.scales, inputs[2])
-        if t.zero_points is not None:
-            inputs.append(f"{name}.zero_points")
-            added[inputs[3]] = numpy_helper.from_array(t.zero_points, inputs[3])
-        out = y if t.mins is None else f"{scope}/MatMulNBits_output_0"
-        nodes.append(helper.make_node("MatMulNBits", inputs, [out], name=f"{scope}/MatMulNBits",
-                                      domain=CONTRIB_DOMAIN, K=k, N=n, bits=8 if head else 4, block_size=BLOCK,
-                                      accuracy_level=plan.accuracy_level))
-        if t.mins is not None:
-            if x not in block_sums:
-                e = f"int4.block_sum.{k}"
-                added.setdefault(e, numpy_helper.from_array(block_sum_matrix(k), e))
-                block_sums[x] = f"{scope}/block_sum_output_0"
-                nodes.append(helper.make_node("MatMul", [x, e], [block_sums[x]], name=f"{scope}/block_sum"))
-            added[f"{name}.mins"] = numpy_helper.from_array(t.mins, f"{name}.mins")
-            nodes.append(helper.make_node("MatMul", [block_sums[x], f"{name}.mins"], [f"{scope}/mins_output_0"],
-                                          name=f"{scope}/mins"))
-            nodes.append(helper.make_node("Add", [out, f"{scope}/mins_output_0"], [y], name=f"{scope}/add_mins"))
+        matches[i] = (name, scope)
+    tensors = {name: _nbits_tensors(plan.blocks(name)) for name, _ in matches.values()}
+    groups: dict[tuple, list[int]] = {}  # the products of one activation in one form run as one node
+    for i, (name, _) in matches.items():
+        t = tensors[name]
+        form = (graph.node[i].input[0], t.qweight.shape[1:], t.zero_points is None, t.mins is None)
+        groups.setdefault(form, []).append(i)
+    group_of = {i: members for members in groups.values() for i in members}
+    nodes = []
+    for i, node in enumerate(graph.node):
+        if i not in matches:
+            nodes.append(node)
+        elif group_of[i][0] == i:  # the group's products at its first member's place (their input exists there)
+            products = [(matches[j][0], matches[j][1], graph.node[j].output[0]) for j in group_of[i]]
+            nodes.extend(_product_nodes(node.input[0], products, tensors, plan.accuracy_level, added, block_sums))
     missing = sorted(wanted - set(found))
     if missing:
         raise EngineError(f"{where}: {len(missing)} of the {len(wanted)} quantized matrices were not found as a "
