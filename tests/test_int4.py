@@ -277,7 +277,8 @@ def test_minima_not_exact_once_shifted_use_explicit_zero_points() -> None:
 def _shared_input_graph(blocks: list[Q4Blocks | Q8Blocks], scope: str) -> onnx.ModelProto:
     """x [B, T, K] @ each matrix's W^T, as the exporter writes q/k/v (one activation, three products)."""
     k = blocks[0].shape[1]
-    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"], name=f"{scope}/p{i}/MatMul") for i in range(len(blocks))]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"], name=f"{scope}/p{i}/MatMul")
+             for i in range(len(blocks))]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", k])],
                               [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["B", "T", b.shape[0]])
                                for i, b in enumerate(blocks)],

@@ -20,9 +20,9 @@ What is quantized and what stays float (``dlite-trt build --dtype int4``):
 - float (the engine's dtype, fp32): the activations between the matmuls, the embedding Gather
   (also where the draft reads the target's embedding), every norm, the projection biases, the
   draft's head's small Gemms (state_proj, state_hidden_mlp), the whole draft with
-  ``--int4-draft float`` (the default at level 0), and the LM head at accuracy level 0 (``MatMulNBits`` bits=8 has no fast fp32
-  kernel on ONNX Runtime's CPU provider: 364 ms for SmolLM2's [1, 576] x [576, 49152] head against
-  16 ms as a float MatMul and 9.5 ms at level 4).
+  ``--int4-draft float`` (the default at level 0), and the LM head at accuracy level 0
+  (``MatMulNBits`` bits=8 has no fast fp32 kernel on ONNX Runtime's CPU provider: 364 ms for
+  SmolLM2's [1, 576] x [576, 49152] head against 16 ms as a float MatMul and 9.5 ms at level 4).
 
 The accuracy level (``ACCURACY_LEVELS``, a build setting recorded in the manifest) is MatMulNBits'
 ``accuracy_level`` on every quantized matmul:
