@@ -17,6 +17,7 @@ Tolerance tiers:
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -287,16 +288,18 @@ def _shared_input_graph(blocks: list[Q4Blocks | Q8Blocks], scope: str) -> onnx.M
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.parametrize("level", [FP32_COMPUTE, INT8_ACTIVATIONS])
-@pytest.mark.parametrize("scheme", ["Q4_1", "Q4_0", "Q8_0"])
+def _keys(blocks: list[Q4Blocks | Q8Blocks]) -> dict[str, str]:
+    """A plan's keys of these matrices: the digest of W^T, as the exporter folds it, -> name."""
+    return {hashlib.sha256(np.ascontiguousarray(b.dequantize().T).tobytes()).hexdigest(): b.name for b in blocks}
+
+
+# an 8-bit draft runs at level 4 only
+@pytest.mark.parametrize(("scheme", "level"), [("Q4_1", FP32_COMPUTE), ("Q4_1", INT8_ACTIVATIONS), ("Q4_0", FP32_COMPUTE),
+                                               ("Q4_0", INT8_ACTIVATIONS), ("Q8_0", INT8_ACTIVATIONS)])
 def test_products_of_one_activation_run_as_one_node_with_each_products_columns(scheme: str, level: int) -> None:
     """q/k/v (or gate/up) stacked along N into one MatMulNBits and split: bitwise the columns each
     matrix's own node gives, at both levels, at 1 and several rows."""
-    from dataclasses import replace
-
-    if scheme == "Q8_0":  # 8-bit products of a draft (level 4 only), outside the target's scope
-        if level == FP32_COMPUTE:
-            pytest.skip("an 8-bit draft runs at level 4 only")
+    if scheme == "Q8_0":  # 8-bit products of a draft, outside the target's scope
         blocks = [replace(_q8_blocks(n, 160, seed=i), name=f"draft.layers.0.p{i}.weight")
                   for i, n in enumerate((32, 64, 96))]
         scope, plan = "/layers.0", Int4Plan(RTN, {}, {}, accuracy_level=level, draft={b.name: b for b in blocks})
@@ -304,7 +307,7 @@ def test_products_of_one_activation_run_as_one_node_with_each_products_columns(s
         blocks = [replace(_blocks(scheme, n, 160, seed=i), name=f"model.layers.0.p{i}.weight")
                   for i, n in enumerate((32, 64, 96))]
         scope, plan = "/target", Int4Plan(RTN, {b.name: b for b in blocks}, {}, accuracy_level=level)
-    keys = {hashlib.sha256(np.ascontiguousarray(b.dequantize().T).tobytes()).hexdigest(): b.name for b in blocks}
+    keys = _keys(blocks)
     plan = replace(plan, keys=keys)
     fused = _shared_input_graph(blocks, scope)
     assert quantize_model(fused, plan, "test", runs_draft=scheme == "Q8_0") == 3
@@ -328,13 +331,10 @@ def test_products_of_one_activation_run_as_one_node_with_each_products_columns(s
 
 def test_products_in_other_forms_are_not_stacked() -> None:
     """A Q4_1 matrix whose shifted minima are not exact (explicit zero points) runs apart from the others."""
-    from dataclasses import replace
-
     blocks = [replace(_blocks("Q4_1", 64, 64, seed=i), name=f"model.layers.0.p{i}.weight") for i in range(3)]
     blocks[2].scales[3, 1], blocks[2].mins[3, 1] = 1.0, np.float32(np.float16(2.0 ** -14 * (1 + 2.0 ** -10)))
-    keys = {hashlib.sha256(np.ascontiguousarray(b.dequantize().T).tobytes()).hexdigest(): b.name for b in blocks}
     model = _shared_input_graph(blocks, "/target")
-    quantize_model(model, Int4Plan(RTN, {b.name: b for b in blocks}, keys), "test")
+    quantize_model(model, Int4Plan(RTN, {b.name: b for b in blocks}, _keys(blocks)), "test")
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     assert sorted(len(n.input) for n in nbits) == [3, 4]  # the stacked pair, and the one with zero points
     assert [n.op_type for n in model.graph.node].count("MatMul") == 3  # one BlockSum, two products with minima

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from dlite_trt.cli.inputs import check_random_weights
+from dlite_trt.export.nbits_levels import DRAFT_FORMATS
 
 DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings when that is less
 
@@ -32,7 +33,7 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "float. Speculative output equals the engine's target-only greedy at both levels with "
                    "--attention gqa; with --attention ops only at level 0 (a verify and a decode call sum "
                    "attention in another order, which level 4's int8 rounding turns into other tokens at near-ties).")
-@click.option("--int4-draft", "int4_draft", type=click.Choice(["Q8_0", "Q4_1", "float"]), default=None,
+@click.option("--int4-draft", "int4_draft", type=click.Choice(DRAFT_FORMATS), default=None,
               help="With --dtype int4: how the draft's matrices (its layers' projections and its head's "
                    "vocabulary-sized output projection) are stored [default: Q8_0 at accuracy level 4, float at "
                    "level 0]. Quantized drafts run at level 4 only. Output stays exact at any setting (the target "
@@ -60,7 +61,8 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "all K drafts).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str,
-            int4_accuracy_level: str | None, int4_draft: str | None, attention: str | None, workspace_gb: float, timing_cache: Path | None, max_seq_len: int | None,
+            int4_accuracy_level: str | None, int4_draft: str | None, attention: str | None, workspace_gb: float,
+            timing_cache: Path | None, max_seq_len: int | None,
             max_batch: int, max_chunk: int, random_weights: bool, no_calibrate: bool, quiet: bool) -> None:
     """Compile a target (Qwen3, Llama or Qwen2) and a DLite draft into an engine directory.
 

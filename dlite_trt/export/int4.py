@@ -511,7 +511,7 @@ def _concatenated(names: list[str], tensors: dict[str, NBitsTensors]) -> NBitsTe
 
 
 def _product_nodes(x: str, products: list[tuple[str, str, str]], tensors: dict[str, NBitsTensors], level: int,
-                 added: dict[str, onnx.TensorProto], block_sums: dict[str, str]) -> list[onnx.NodeProto]:
+                   added: dict[str, onnx.TensorProto], block_sums: dict[str, str]) -> list[onnx.NodeProto]:
     """The nodes computing ``products`` (parameter name, scope, output), all of activation ``x``: one
     MatMulNBits (with its minima's product and sum for Q4_1) over their matrices stacked along N,
     split into each product's output. Fused initializers are named after their parameters joined by
