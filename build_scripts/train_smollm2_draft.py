@@ -29,6 +29,12 @@ runs).
 
     python build_scripts/train_smollm2_draft.py --work /work/runs/smollm2-corpus      # rewrites the bundled draft
     python build_scripts/train_smollm2_draft.py --budget smoke --work /tmp/w --out /tmp/draft
+
+On a GPU (``--budget gpu --device cuda``: 8 times the blocks a step, TF32; the bundled draft was
+trained so): the corpus is built here (``--until corpus``) and read there (``--corpus-from``,
+with the draft vocabulary and the held-out prompts made here), ``--until curve`` measures each
+snapshot teacher-forced there, and the draft is measured here. build_scripts/gpu_train_draft.sh
+and device_transfer.py carry it to a machine without network; docs/training.md has the commands.
 """
 
 from __future__ import annotations
@@ -56,6 +62,11 @@ BUDGETS = {
              "anchors": 192, "min_context": 32, "steps": 1500, "snapshots": 6, "draft_vocab": 16384,
              "init_windows": 24,
              "measure": {"files": 24, "chat": 16, "other": 16, "prompt_tokens": 256, "new_tokens": 128}},
+    # the same recipe at a GPU's scale (an H200: --device cuda, the corpus built here and carried there)
+    "gpu": {"packages": sorted(CORPUS_PACKAGES), "max_files": None, "seq_len": 512, "batch_seqs": 32,
+            "anchors": 192, "min_context": 32, "steps": 2000, "snapshots": 8, "draft_vocab": 16384,
+            "init_windows": 64,
+            "measure": {"files": 24, "chat": 16, "other": 16, "prompt_tokens": 256, "new_tokens": 128}},
 }
 DRAFT_SHAPE = {"num_hidden_layers": 2, "chs_num_layers": 5, "block_size": 8, "anchor_group_size": 2,
                "sequential_rank": 256}
@@ -63,6 +74,8 @@ OTHER_PACKAGE = "click"  # code from outside the allow-list, never trained on
 LR = 1e-3  # peak (cosine to a tenth)
 TOP_K = 32  # the target's distribution kept per position (TV over these + the rest)
 LOSS = LossWeights()
+VOCAB_FILE = "draft_vocab.json"  # beside the corpus parts: the draft vocabulary (target ids), chosen once
+PROMPTS_FILE = "held_out_prompts.json"  # beside them: the held-out prompt sets (token ids), made once
 
 
 def other_package_files() -> list[Path]:
@@ -126,17 +139,17 @@ def agreement(target, draft, prompts: list[list[int]], outputs: list[list[int]])
     hits, confs, valids = [], [], []
     with torch.no_grad():
         for prompt, output in zip(prompts, outputs, strict=True):
-            tokens = torch.tensor([prompt + output])
+            tokens = torch.tensor([prompt + output], device=adapter.embed_weight.device)
             if len(output) < 3:
                 continue
             hidden, logits = target_states(adapter, tokens)
-            anchors = torch.arange(len(prompt), tokens.shape[1] - 1)[None]
+            anchors = torch.arange(len(prompt), tokens.shape[1] - 1, device=tokens.device)[None]
             ex = draft_examples(tokens, hidden, logits, anchors, draft.cfg.anchor_group_size, draft.cfg.num_proposals)
             out = student_logits(draft, ex, adapter.embed_weight)
             hits.append(draft.sequential_head.to_target(out.logits.argmax(-1)) == ex.labels)  # rows -> ids
             confs.append(ex.target_probs[..., 0])
             valids.append(ex.valid)
-    hit, conf, valid = torch.cat(hits), torch.cat(confs), torch.cat(valids)
+    hit, conf, valid = torch.cat(hits).cpu(), torch.cat(confs).cpu(), torch.cat(valids).cpu()
     prefix = torch.cumprod((hit | ~valid).long(), dim=1) * valid  # accepted through position k
     buckets = {}
     for lo, hi in ((0.0, 0.5), (0.5, 0.9), (0.9, 1.01)):
@@ -220,16 +233,49 @@ def greedy_coverage(vocab, outputs: list[list[int]]) -> float:
 class Target:
     """The SmolLM2 target, loaded once: HF model, spec, tokenizer, stop tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         import torch
 
         from dlite_trt.targets import build_hf_model, load_tokenizer, resolve_target, stop_token_ids
 
         self.source = resolve_target("smollm2-135m", progress=False)
         self.spec = self.source.spec
-        self.hf = build_hf_model(self.source, torch.float32).eval().requires_grad_(False)
+        self.hf = build_hf_model(self.source, torch.float32).eval().requires_grad_(False).to(device)
         self.tokenizer = load_tokenizer(self.source)
         self.stops = stop_token_ids(self.source, self.tokenizer)
+
+
+def held_out_prompts(tok, m: dict, seed: int) -> dict[str, list[list[int]]]:
+    """The three held-out prompt sets (token ids), from this machine's standard library and click."""
+    from dlite_trt.tiny_models import stdlib_files
+    from dlite_trt.training.prompts import coding_prompts
+
+    def opening(path: Path) -> list[int]:
+        return tok.encode(path.read_text(errors="replace"), add_special_tokens=False)[: m["prompt_tokens"]]
+
+    held_out = stdlib_files("held_out")
+    return {
+        "held_out_stdlib_files": [opening(p) for p in held_out[: m["files"]]],
+        "held_out_chat_instructions": [ids for _, ids in coding_prompts(held_out, tok, counts={"chat": m["chat"]},
+                                                                         max_prompt_tokens=512, seed=seed + 1)],
+        f"{OTHER_PACKAGE}_files": [opening(p) for p in other_package_files()[: m["other"]]],
+    }
+
+
+def label_precision(adapter, mix, windows: int, seq_len: int, seed: int) -> dict:
+    """On a GPU: how often the target's argmax (the labels) with TF32 matmuls differs from full
+    fp32 over seeded corpus windows."""
+    import torch
+
+    from dlite_trt.training.examples import target_states
+
+    tokens = mix.windows(windows, seq_len, torch.Generator().manual_seed(seed + 17)).to(adapter.embed_weight.device)
+    choices = {}
+    for precision in ("highest", "high"):
+        torch.set_float32_matmul_precision(precision)
+        choices[precision] = target_states(adapter, tokens)[1].argmax(-1)
+    return {"positions": tokens.numel(),
+            "tf32_argmax_differs_from_fp32": round(float((choices["high"] != choices["highest"]).float().mean()), 5)}
 
 
 @click.command()
@@ -238,10 +284,21 @@ class Target:
 @click.option("--work", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="Resumable state, outside the repository: the corpus, the runs, the snapshots.")
 @click.option("--budget", type=click.Choice(sorted(BUDGETS)), default="full", show_default=True)
-@click.option("--until", type=click.Choice(["corpus", "train", "all"]), default="all", show_default=True,
-              help="Stop after this stage (rerun to go on).")
+@click.option("--until", type=click.Choice(["corpus", "train", "curve", "all"]), default="all", show_default=True,
+              help="Stop after this stage (rerun to go on). curve: after training, the teacher-forced "
+                   "acceptance length of each snapshot on the held-out sets (cheap on a GPU), then stop.")
 @click.option("--seed", default=0, show_default=True, type=int)
-def main(out: Path, work: Path, budget: str, until: str, seed: int) -> None:
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Training steps (default: the budget's).")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the target and the draft train: cpu, or cuda (TF32 matmuls; the labels' precision is "
+                   "measured and recorded).")
+@click.option("--corpus-from", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              help="A corpus this recipe built elsewhere (WORK/corpus of a run stopped with --until corpus, with "
+                   f"its {VOCAB_FILE} and {PROMPTS_FILE}): read instead of built, e.g. on a machine with no network.")
+def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int | None, device: str,
+         corpus_from: Path | None) -> None:
+    import numpy as np
+    import torch
     from safetensors.torch import load_file
 
     from dlite_trt.checkpoint import load_draft, save_draft
@@ -249,14 +306,12 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int) -> None:
     from dlite_trt.model.target import TargetAdapter
     from dlite_trt.runtime.reference import SpeculativeGenerator
     from dlite_trt.runtime.session import SamplingParams
-    from dlite_trt.tiny_models import stdlib_files
     from dlite_trt.training.corpus import frequent_vocabulary, read_corpus_mix
     from dlite_trt.training.informed_init import DEFAULT_PARTS, informed_init, sample_corpus_states
     from dlite_trt.training.init_draft import pick_mask_token, write_initial_draft
     from dlite_trt.training.pipeline import BatchSettings, StudentPlan, train_student
-    from dlite_trt.training.prompts import coding_prompts
 
-    b = BUDGETS[budget]
+    b = dict(BUDGETS[budget], **({"steps": steps} if steps else {}))
     seconds: dict[str, float] = json.loads((work / "seconds.json").read_text()) if (work / "seconds.json").is_file() \
         else {}
     clock = time.perf_counter()
@@ -284,19 +339,33 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int) -> None:
             raise click.ClickException(f"{work} is not empty and holds no recipe.json; pass a new --work.")
         work.mkdir(parents=True, exist_ok=True)
         recorded.write_text(json.dumps(recipe, indent=2) + "\n")
-    target = Target()
+    if device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")  # TF32: labels may differ at near-ties (measured below)
+    target = Target(device)
     vocab_size = target.spec.vocab_size
-    say("corpus: the allow-list's sources, tokenized")
-    sizes = build_corpus(target.tokenizer, vocab_size, work / "corpus", work, b, seed)
-    mix = read_corpus_mix(work / "corpus", vocab_size)
+    m = b["measure"]
+    corpus_dir = corpus_from or work / "corpus"
+    if corpus_from is None:
+        say("corpus: the allow-list's sources, tokenized")
+        build_corpus(target.tokenizer, vocab_size, corpus_dir, work, b, seed)
+    sizes = {part.name: {"tokens": json.loads((part / "corpus.json").read_text())["tokens"],
+                         "documents": json.loads((part / "corpus.json").read_text())["documents"]}
+             for part in sorted(corpus_dir.iterdir()) if (part / "corpus.json").is_file()}
+    mix = read_corpus_mix(corpus_dir, vocab_size)
+    mask = pick_mask_token(target.tokenizer, target.spec, target.stops, None)
+    if not (corpus_dir / VOCAB_FILE).is_file():  # the N most frequent ids of the whole corpus, chosen once
+        counts = sum(part.token_counts(vocab_size) for part in mix.parts)
+        ids = frequent_vocabulary(counts, b["draft_vocab"], must_include=[mask])
+        (corpus_dir / VOCAB_FILE).write_text(json.dumps([int(i) for i in ids]) + "\n")
+    draft_vocab = np.array(json.loads((corpus_dir / VOCAB_FILE).read_text()), dtype=np.int64)
+    if not (corpus_dir / PROMPTS_FILE).is_file():  # made where the held-out code is (this machine's)
+        (corpus_dir / PROMPTS_FILE).write_text(json.dumps(held_out_prompts(target.tokenizer, m, seed)) + "\n")
+    prompt_sets = json.loads((corpus_dir / PROMPTS_FILE).read_text())
     say(f"corpus: {sizes}")
     lap("corpus")
     if until == "corpus":
         return
 
-    mask = pick_mask_token(target.tokenizer, target.spec, target.stops, None)
-    counts = sum(part.token_counts(vocab_size) for part in mix.parts)
-    draft_vocab = frequent_vocabulary(counts, b["draft_vocab"], must_include=[mask])
     init_dir = work / "init"
     if not (init_dir / "config.json").is_file():
         write_initial_draft(work / "init.tmp", target.spec, mask, seed=seed, draft_vocab=draft_vocab.tolist(),
@@ -304,11 +373,15 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int) -> None:
         (work / "init.tmp").replace(init_dir)
     cfg = load_draft(init_dir, target=target.spec).cfg
     adapter = TargetAdapter(target.hf, target.spec, cfg.target_layer_ids).eval()
+    if device.startswith("cuda") and not (work / "label_precision.json").is_file():
+        (work / "label_precision.json").write_text(json.dumps(label_precision(adapter, mix, 8, b["seq_len"], seed)))
+        torch.set_float32_matmul_precision("high")
     informed_dir = work / "informed-init"
     if not (informed_dir / "model.safetensors").is_file():  # written whole, then renamed: a kill leaves none
         draft = load_draft(init_dir, target=target.spec).float()
         states = sample_corpus_states(adapter, mix, b["init_windows"], b["seq_len"], seed=seed)
-        informed_init(draft, target.hf.lm_head.weight, target.hf.model.norm.weight, None, states, DEFAULT_PARTS)
+        informed_init(draft, target.hf.lm_head.weight.cpu(), target.hf.model.norm.weight.cpu(), None, states,
+                      DEFAULT_PARTS)
         save_draft(draft, work / "informed-init.tmp")
         (work / "informed-init.tmp").replace(informed_dir)
     lap("init")
@@ -317,8 +390,8 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int) -> None:
                             anchor_weight="depth", min_context=b["min_context"], top_k=TOP_K)
     student_dir = work / "student"
     if not (student_dir / "model.safetensors").is_file():
-        say(f"training: {b['steps']} steps of {b['batch_seqs']} windows x {b['anchors']} blocks")
-        train_student(adapter, mix, load_draft(informed_dir, target=target.spec).float(), student_dir,
+        say(f"training: {b['steps']} steps of {b['batch_seqs']} windows x {b['anchors']} blocks, on {device}")
+        train_student(adapter, mix, load_draft(informed_dir, target=target.spec).float().to(device), student_dir,
                       StudentPlan(0, b["steps"], lr=LR, snapshot_every=max(1, b["steps"] // b["snapshots"]),
                                   checkpoint_every=max(1, min(50, b["steps"] // 4))),
                       batches, weights=LOSS, runs=work / "student-runs")
@@ -326,26 +399,39 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int) -> None:
     if until == "train":
         return
 
-    m = b["measure"]
-    tok = target.tokenizer
-
-    def opening(path: Path) -> list[int]:
-        return tok.encode(path.read_text(errors="replace"), add_special_tokens=False)[: m["prompt_tokens"]]
-
-    held_out = stdlib_files("held_out")
-    prompt_sets = {
-        "held_out_stdlib_files": [opening(p) for p in held_out[: m["files"]]],
-        "held_out_chat_instructions": [ids for _, ids in coding_prompts(held_out, tok, counts={"chat": m["chat"]},
-                                                                         max_prompt_tokens=512, seed=seed + 1)],
-        f"{OTHER_PACKAGE}_files": [opening(p) for p in other_package_files()[: m["other"]]],
-    }
     params = SamplingParams(max_new_tokens=m["new_tokens"], stop_token_ids=target.stops)
-    baseline_gen = SpeculativeGenerator.target_only(adapter)
-    baselines = {name: [list(o) for o in baseline_gen.session(ps).generate_target_only(params).output_ids]
-                 for name, ps in prompt_sets.items()}
+    baselines_file = work / "target_only_outputs.json"
+    if not baselines_file.is_file():
+        baseline_gen = SpeculativeGenerator.target_only(adapter)
+        baselines_file.write_text(json.dumps(
+            {name: [list(o) for o in baseline_gen.session(ps).generate_target_only(params).output_ids]
+             for name, ps in prompt_sets.items()}) + "\n")
+    baselines = json.loads(baselines_file.read_text())
     lap("target_only_baseline")
-    report = {"student": measure(target, load_draft(student_dir, target=target.spec), prompt_sets, m["new_tokens"],
-                                 baselines)}
+    per_step = {"blocks": b["batch_seqs"] * b["anchors"], "positions": b["batch_seqs"] * b["seq_len"]}
+
+    def snapshots() -> dict[int, DLiteDraft]:
+        found = {}
+        for snap in (work / "student-runs" / "stage2-run").glob("snapshot-*.safetensors"):
+            if int(snap.stem[9:]) < b["steps"]:
+                found[int(snap.stem[9:])] = DLiteDraft(cfg)
+                found[int(snap.stem[9:])].load_state_dict(load_file(str(snap)), strict=True)
+        found[b["steps"]] = load_draft(student_dir, target=target.spec)
+        return dict(sorted(found.items()))
+
+    if until == "curve":  # teacher-forced on the target's own outputs: one forward per prompt and snapshot
+        curve = [{"step": step, "blocks_seen": step * per_step["blocks"],
+                  "corpus_positions_seen": step * per_step["positions"],
+                  **{name: agreement(target, draft.float().to(device).eval(), prompt_sets[name],
+                                     baselines[name])["teacher_forced_acceptance_length"] for name in prompt_sets}}
+                 for step, draft in snapshots().items()]
+        (work / "teacher_forced_curve.json").write_text(json.dumps(curve, indent=2) + "\n")
+        lap("curve")
+        click.echo(json.dumps(curve))
+        return
+
+    report = {"student": measure(target, load_draft(student_dir, target=target.spec).to(device), prompt_sets,
+                                 m["new_tokens"], baselines)}
     report["ngram_prompt_lookup"] = {}
     for name, ps in prompt_sets.items():
         kept = [k for p, o in zip(ps, baselines[name], strict=True) for k in ngram_acceptance(p, o, cfg.block_size)]
@@ -353,23 +439,22 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int) -> None:
                                                "steps": len(kept), "prompts": len(ps)}
     report["draft_vocab_coverage"] = {name: greedy_coverage(draft_vocab, outs) for name, outs in baselines.items()}
     lap("measure")
-    report["agreement"] = {set_name: agreement(target, load_draft(student_dir, target=target.spec).float(),
+    report["agreement"] = {set_name: agreement(target, load_draft(student_dir, target=target.spec).float().to(device),
                                                prompt_sets[set_name], baselines[set_name])
                            for set_name in prompt_sets}
     # the training curve: held-out files' acceptance length at each snapshot, against blocks and
     # corpus positions seen (the last snapshot is the final draft, measured above)
     files_set = {"held_out_stdlib_files": prompt_sets["held_out_stdlib_files"]}
-    per_step = {"blocks": b["batch_seqs"] * b["anchors"], "positions": b["batch_seqs"] * b["seq_len"]}
     curve = {b["steps"]: report["student"]["held_out_stdlib_files"]["mean_acceptance_length"]}
-    for snap in (work / "student-runs" / "stage2-run").glob("snapshot-*.safetensors"):
-        if int(snap.stem[9:]) < b["steps"]:
-            draft = DLiteDraft(cfg)
-            draft.load_state_dict(load_file(str(snap)), strict=True)
-            curve[int(snap.stem[9:])] = measure(target, draft, files_set, m["new_tokens"],
-                                                baselines)["held_out_stdlib_files"]["mean_acceptance_length"]
+    for step, draft in snapshots().items():
+        if step < b["steps"]:
+            curve[step] = measure(target, draft.to(device), files_set, m["new_tokens"],
+                                  baselines)["held_out_stdlib_files"]["mean_acceptance_length"]
     report["training_curve"] = [{"step": step, "blocks_seen": step * per_step["blocks"],
                                  "corpus_positions_seen": step * per_step["positions"], "held_out_files_al": al}
                                 for step, al in sorted(curve.items())]
+    if (work / "label_precision.json").is_file():
+        report["label_precision"] = json.loads((work / "label_precision.json").read_text())
     lap("diagnosis")
 
     out.mkdir(parents=True, exist_ok=True)

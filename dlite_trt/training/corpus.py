@@ -56,7 +56,7 @@ def exact_depth(tokens: torch.Tensor, greedy: torch.Tensor, max_depth: int) -> t
     first_miss = stop.flip(1).cummin(1).values.flip(1)  # [B, L]
     after = torch.cat([first_miss[:, 1:], torch.full((b, 1), length, device=tokens.device)], dim=1)
     run = after - (pos + 1)  # agreements from a+1 on: tokens a+1..a+run agree
-    return torch.minimum(torch.minimum(run + 1, length - pos), torch.tensor(max_depth)).clamp_min(1)
+    return torch.minimum(run + 1, length - pos).clamp(1, max_depth)
 
 
 @dataclass(frozen=True)

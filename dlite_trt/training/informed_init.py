@@ -54,9 +54,9 @@ def sample_states(cache: StateCache, rows: int, seed: int = 0) -> torch.Tensor:
 def sample_corpus_states(target: TargetAdapter, corpus: CorpusMix, windows: int, length: int,
                          seed: int = 0) -> torch.Tensor:
     """[N, S, H] the target's states of the draft's layers over ``windows`` seeded corpus windows
-    of ``length`` tokens, positions past the sink."""
-    tokens = corpus.windows(windows, length, torch.Generator().manual_seed(seed))
-    hidden = torch.cat([target_states(target, row[None])[0] for row in tokens])  # [W, L, S, H]
+    of ``length`` tokens, positions past the sink; on the CPU, wherever the target runs."""
+    tokens = corpus.windows(windows, length, torch.Generator().manual_seed(seed)).to(target.embed_weight.device)
+    hidden = torch.cat([target_states(target, row[None])[0].cpu() for row in tokens])  # [W, L, S, H]
     return hidden[:, SINK:].flatten(0, 1)
 
 

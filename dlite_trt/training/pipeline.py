@@ -76,6 +76,7 @@ class BatchSource:
         self.cache = data if isinstance(data, StateCache) else None
         self.sequences = data.sequences if isinstance(data, StateCache) else data
         self.cfg = draft.cfg
+        self.device = target.embed_weight.device  # batches are built where the target runs (CPU or GPU)
         self.blocks_seen = 0
 
     def __call__(self, step: int, rank: int, world: int) -> DraftExamples:
@@ -92,16 +93,16 @@ class BatchSource:
                       for r, start in zip(rows, starts, strict=True)]
             anchors = torch.stack([torch.randint(first, s.seq_len - 1, (s.anchors,), generator=g) for first in firsts])
         mine = slice(rank * s.batch_seqs // world, (rank + 1) * s.batch_seqs // world)
-        tokens = window_tokens(self.sequences, s.seq_len, rows[mine], starts[mine])
+        tokens = window_tokens(self.sequences, s.seq_len, rows[mine], starts[mine]).to(self.device)
         if self.cache is None:
             hidden, logits = target_states(self.target, tokens)
         else:
             parts = [self.cache.window(r, start, s.seq_len) for r, start in zip(rows[mine], starts[mine], strict=True)]
-            hidden = torch.stack([p["hidden"] for p in parts])
-            logits = TargetTopK(torch.stack([p["top_ids"] for p in parts]),
-                                torch.stack([p["top_probs"] for p in parts]))
+            hidden = torch.stack([p["hidden"] for p in parts]).to(self.device)
+            logits = TargetTopK(torch.stack([p["top_ids"] for p in parts]).to(self.device),
+                                torch.stack([p["top_probs"] for p in parts]).to(self.device))
         self.blocks_seen += anchors[mine].numel()
-        return draft_examples(tokens, hidden, logits, anchors[mine], self.cfg.anchor_group_size,
+        return draft_examples(tokens, hidden, logits, anchors[mine].to(self.device), self.cfg.anchor_group_size,
                               self.cfg.num_proposals, self.window, window_layers(self.cfg))
 
     def _corpus_batch(self, g: torch.Generator, rank: int, world: int) -> DraftExamples:
@@ -111,7 +112,7 @@ class BatchSource:
         s, k_props = self.settings, self.cfg.num_proposals
         tokens = self.corpus.windows(s.batch_seqs, s.seq_len, g)  # [B, L]
         mine = slice(rank * s.batch_seqs // world, (rank + 1) * s.batch_seqs // world)
-        tokens = tokens[mine]
+        tokens = tokens[mine].to(self.device)
         hidden, logits = target_states(self.target, tokens)
         top = TargetTopK.of_logits(logits, s.top_k)
         del logits
@@ -120,9 +121,9 @@ class BatchSource:
             raise ConfigError(f"{s.anchors} anchors per window do not fit between min_context {lo} and position "
                               f"{hi - 1} of a {s.seq_len}-token window; lower anchors or min_context")
         weight = torch.ones(tokens.shape[0], hi - lo)
-        if s.anchor_weight == "depth":
-            weight = exact_depth(tokens, top.ids[..., 0], k_props)[:, lo:hi].float()
-        anchors = lo + torch.multinomial(weight, s.anchors, replacement=False, generator=g)  # [B, A]
+        if s.anchor_weight == "depth":  # drawn on the CPU by the seeded generator, wherever the target runs
+            weight = exact_depth(tokens, top.ids[..., 0], k_props)[:, lo:hi].float().cpu()
+        anchors = (lo + torch.multinomial(weight, s.anchors, replacement=False, generator=g)).to(self.device)  # [B, A]
         self.blocks_seen += anchors.numel()
         return draft_examples(tokens, hidden, top, anchors, self.cfg.anchor_group_size, k_props, self.window,
                               window_layers(self.cfg), exact_only=True)
