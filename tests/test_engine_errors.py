@@ -532,3 +532,15 @@ def test_packing_weights_twice_is_refused_and_harmless(engine_copy):
     load_manifest(engine_copy, verify=True)  # every file as built
     out = load_engine(engine_copy).generator.session([PROMPT]).generate(SamplingParams(max_new_tokens=4))
     assert len(out.output_ids[0]) == 4
+
+
+def test_every_session_stops_spinning_when_a_run_returns(engine):
+    """Each graph's session has its own thread pool; workers left spinning after one graph's run
+    would share the cores with the next graph's (DLite + n-gram alternates step and decode)."""
+    from dlite_trt.runtime.ort_runner import SPIN_STOP
+
+    gen = engine.generator
+    gen.session([[1, 2, 3]]).generate(SamplingParams(max_new_tokens=4))  # loads prefill, step (and decode)
+    assert gen.runner.sessions
+    for name, session in gen.runner.sessions.items():
+        assert session.get_session_options().get_session_config_entry(SPIN_STOP) == "1", name
