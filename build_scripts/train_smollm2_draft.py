@@ -45,6 +45,7 @@ import sys
 import time
 import zipfile
 from dataclasses import asdict
+from itertools import chain
 from pathlib import Path
 
 import click
@@ -186,9 +187,9 @@ def package_sources(name: str, version: str, work: Path) -> Path:
     return root / name
 
 
-def build_corpus(tokenizer, vocab_size: int, parts_dir: Path, work: Path, budget: dict, seed: int) -> dict:
+def build_corpus(tokenizer, vocab_size: int, parts_dir: Path, work: Path, budget: dict, seed: int) -> None:
     """The four corpus parts (raw and chat, the standard library's training split and the
-    packages), each written once; returns their sizes."""
+    packages), each written once."""
     from dlite_trt.tiny_models import stdlib_files
     from dlite_trt.training.corpus import META, chat_documents, file_documents, write_corpus, write_mix
 
@@ -211,16 +212,12 @@ def build_corpus(tokenizer, vocab_size: int, parts_dir: Path, work: Path, budget
     makers = {"stdlib": lambda: file_documents(stdlib, stdlib_root, tokenizer, label="stdlib"),
               "chat-stdlib": lambda: chat_documents(stdlib, stdlib_root, tokenizer, label="stdlib", seed=seed),
               "packages": raw_packages, "chat-packages": chat_packages}
-    sizes = {}
     for part, make in makers.items():
         out = parts_dir / part
         if not (out / META).is_file():
             write_corpus(make(), out, eos_id=tokenizer.eos_token_id, tokenizer_name="smollm2-135m",
                          vocab_size=vocab_size)
-        meta = json.loads((out / META).read_text())
-        sizes[part] = {"tokens": meta["tokens"], "documents": meta["documents"]}
     write_mix(parts_dir, MIX)  # `dlite-trt train ... --data parts_dir` draws windows as this recipe does
-    return sizes
 
 
 def greedy_coverage(vocab, outputs: list[list[int]]) -> float:
@@ -270,10 +267,13 @@ def label_precision(adapter, mix, windows: int, seq_len: int, seed: int) -> dict
     from dlite_trt.training.examples import target_states
 
     tokens = mix.windows(windows, seq_len, torch.Generator().manual_seed(seed + 17)).to(adapter.embed_weight.device)
-    choices = {}
-    for precision in ("highest", "high"):
-        torch.set_float32_matmul_precision(precision)
-        choices[precision] = target_states(adapter, tokens)[1].argmax(-1)
+    choices, before = {}, torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            choices[precision] = target_states(adapter, tokens)[1].argmax(-1)
+    finally:
+        torch.set_float32_matmul_precision(before)
     return {"positions": tokens.numel(),
             "tf32_argmax_differs_from_fp32": round(float((choices["high"] != choices["highest"]).float().mean()), 5)}
 
@@ -348,10 +348,9 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     if corpus_from is None:
         say("corpus: the allow-list's sources, tokenized")
         build_corpus(target.tokenizer, vocab_size, corpus_dir, work, b, seed)
-    sizes = {part.name: {"tokens": json.loads((part / "corpus.json").read_text())["tokens"],
-                         "documents": json.loads((part / "corpus.json").read_text())["documents"]}
-             for part in sorted(corpus_dir.iterdir()) if (part / "corpus.json").is_file()}
     mix = read_corpus_mix(corpus_dir, vocab_size)
+    sizes = {part.directory.name: {"tokens": part.meta["tokens"], "documents": part.meta["documents"]}
+             for part in mix.parts}
     mask = pick_mask_token(target.tokenizer, target.spec, target.stops, None)
     if not (corpus_dir / VOCAB_FILE).is_file():  # the N most frequent ids of the whole corpus, chosen once
         counts = sum(part.token_counts(vocab_size) for part in mix.parts)
@@ -375,7 +374,6 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     adapter = TargetAdapter(target.hf, target.spec, cfg.target_layer_ids).eval()
     if device.startswith("cuda") and not (work / "label_precision.json").is_file():
         (work / "label_precision.json").write_text(json.dumps(label_precision(adapter, mix, 8, b["seq_len"], seed)))
-        torch.set_float32_matmul_precision("high")
     informed_dir = work / "informed-init"
     if not (informed_dir / "model.safetensors").is_file():  # written whole, then renamed: a kill leaves none
         draft = load_draft(init_dir, target=target.spec).float()
@@ -410,21 +408,23 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     lap("target_only_baseline")
     per_step = {"blocks": b["batch_seqs"] * b["anchors"], "positions": b["batch_seqs"] * b["seq_len"]}
 
-    def snapshots() -> dict[int, DLiteDraft]:
-        found = {}
-        for snap in (work / "student-runs" / "stage2-run").glob("snapshot-*.safetensors"):
-            if int(snap.stem[9:]) < b["steps"]:
-                found[int(snap.stem[9:])] = DLiteDraft(cfg)
-                found[int(snap.stem[9:])].load_state_dict(load_file(str(snap)), strict=True)
-        found[b["steps"]] = load_draft(student_dir, target=target.spec)
-        return dict(sorted(found.items()))
+    def snapshots():
+        """(step, draft) of each snapshot before the last step, in order, loaded one at a time."""
+        found = {int(f.stem.removeprefix("snapshot-")): f
+                 for f in (work / "student-runs" / "stage2-run").glob("snapshot-*.safetensors")}
+        for step in sorted(k for k in found if k < b["steps"]):
+            draft = DLiteDraft(cfg)
+            draft.load_state_dict(load_file(str(found[step])), strict=True)
+            yield step, draft
 
     if until == "curve":  # teacher-forced on the target's own outputs: one forward per prompt and snapshot
-        curve = [{"step": step, "blocks_seen": step * per_step["blocks"],
-                  "corpus_positions_seen": step * per_step["positions"],
-                  **{name: agreement(target, draft.float().to(device).eval(), prompt_sets[name],
-                                     baselines[name])["teacher_forced_acceptance_length"] for name in prompt_sets}}
-                 for step, draft in snapshots().items()]
+        curve = []
+        for step, draft in chain(snapshots(), [(b["steps"], load_draft(student_dir, target=target.spec))]):
+            draft = draft.float().to(device).eval()
+            curve.append({"step": step, "blocks_seen": step * per_step["blocks"],
+                          "corpus_positions_seen": step * per_step["positions"],
+                          **{name: agreement(target, draft, prompt_sets[name], baselines[name])
+                             ["teacher_forced_acceptance_length"] for name in prompt_sets}})
         (work / "teacher_forced_curve.json").write_text(json.dumps(curve, indent=2) + "\n")
         lap("curve")
         click.echo(json.dumps(curve))
@@ -446,10 +446,9 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     # corpus positions seen (the last snapshot is the final draft, measured above)
     files_set = {"held_out_stdlib_files": prompt_sets["held_out_stdlib_files"]}
     curve = {b["steps"]: report["student"]["held_out_stdlib_files"]["mean_acceptance_length"]}
-    for step, draft in snapshots().items():
-        if step < b["steps"]:
-            curve[step] = measure(target, draft.to(device), files_set, m["new_tokens"],
-                                  baselines)["held_out_stdlib_files"]["mean_acceptance_length"]
+    for step, draft in snapshots():
+        curve[step] = measure(target, draft.to(device), files_set, m["new_tokens"],
+                              baselines)["held_out_stdlib_files"]["mean_acceptance_length"]
     report["training_curve"] = [{"step": step, "blocks_seen": step * per_step["blocks"],
                                  "corpus_positions_seen": step * per_step["positions"], "held_out_files_al": al}
                                 for step, al in sorted(curve.items())]

@@ -81,7 +81,7 @@ class OrtRunner(RunnerBase):
             so.intra_op_num_threads = self.threads
         # each graph's session has its own thread pool, whose workers spin after a run; a call of
         # another graph next (DLite + n-gram alternates step and decode) then shares the cores with
-        # them. Stopping the spin when a run returns made those calls 25-30% faster (docs/engine.md).
+        # them. Stopping the spin when a run returns made those calls 25-30% faster (docs/performance.md).
         so.add_session_config_entry(SPIN_STOP, "1")
         try:
             session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
