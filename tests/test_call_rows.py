@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from dlite_trt.bundled import bundled_pair
 from dlite_trt.engine.build import BuildSettings, build_engine
@@ -32,16 +33,25 @@ def engine(request, tmp_path_factory):
 
 
 def _new_entries(engine, monkeypatch, call) -> np.ndarray:
-    """The new K entries (layers, batch, heads, tokens, dim) of the decode-graph call ``call(session,
-    first token)`` makes right after the prefill of PROMPT."""
-    seen, infer = [], engine.runner.infer
-    monkeypatch.setattr(engine.runner, "infer", lambda graph, feeds, cache: seen.append(infer(graph, feeds, cache))
-                        or seen[-1])
+    """The K entries (layers, batch, heads, tokens, dim) that the decode-graph call ``call(session, first
+    token)`` makes right after the prefill of PROMPT writes into the cache (attention "gqa": the graph
+    writes them in place, at slots len(PROMPT) onwards, and returns none)."""
+    widths, infer = [], engine.runner.infer
+
+    def recording(graph, feeds, cache):
+        widths.append((feeds["block"] if "block" in feeds else feeds["input_ids"]).shape[1])
+        return infer(graph, feeds, cache)
+
+    monkeypatch.setattr(engine.runner, "infer", recording)
     session = engine.session([PROMPT])
     first = session._target_first(GREEDY, lambda *shape: None)
     call(session, first[0])
     monkeypatch.setattr(engine.runner, "infer", infer)
-    return np.asarray(seen[-1]["new_key"])
+    return _cache_keys(session, len(PROMPT), widths[-1])
+
+
+def _cache_keys(session, start: int, width: int) -> np.ndarray:
+    return session.cache.k[:, :, :, start : start + width].numpy().copy()
 
 
 def _decode(session, token):  # what target-only decoding runs
@@ -61,7 +71,8 @@ def test_a_decode_call_computes_its_token_as_a_verify_does(engine, monkeypatch):
     def rounding_by_rows(graph, feeds, cache):  # planted: a kernel that rounds a 2-row product its own way
         out = infer(graph, feeds, cache)
         if feeds.get("input_ids") is not None and feeds["input_ids"].shape[1] == engine_module.MIN_CALL_TOKENS:
-            out = dict(out, new_key=np.nextafter(np.asarray(out["new_key"]), np.float32(np.inf)))
+            at = slice(int(feeds["past_len"][0]), int(feeds["past_len"][0]) + engine_module.MIN_CALL_TOKENS)
+            cache.k[:, :, :, at] = torch.from_numpy(np.nextafter(cache.k[:, :, :, at].numpy(), np.float32(np.inf)))
         return out
 
     monkeypatch.setattr(engine.runner, "infer", rounding_by_rows)
@@ -77,17 +88,14 @@ def test_a_verified_row_is_what_a_later_decode_call_computes(engine, monkeypatch
     take another order."""
     assert engine.manifest.attention == "gqa"
     drafts = [7, 9]
-    seen, infer = [], engine.runner.infer
-    monkeypatch.setattr(engine.runner, "infer", lambda graph, feeds, cache: seen.append(infer(graph, feeds, cache))
-                        or seen[-1])
     verifying = engine.session([PROMPT])
     first = verifying._target_first(GREEDY, lambda *shape: None)[0]
     _verify(verifying, first)
-    verified = np.asarray(seen[-1]["new_key"])[..., 1:3, :]
+    verified = _cache_keys(verifying, len(PROMPT) + 1, 2)
     decoding = engine.session([PROMPT])
     decoding._target_first(GREEDY, lambda *shape: None)
     later = []
     for i, token in enumerate([first, *drafts]):
         decoding._target_next([token], [len(PROMPT) + i], GREEDY, lambda *shape: None)
-        later.append(np.asarray(seen[-1]["new_key"])[..., 0, :])
+        later.append(_cache_keys(decoding, len(PROMPT) + i, 1)[..., 0, :])  # before the next call writes on
     assert np.array_equal(np.stack(later[1:], axis=-2), verified)

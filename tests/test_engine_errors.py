@@ -179,16 +179,17 @@ def test_manifest_from_incompatible_version(runner, engine_copy):
                         "Rebuild the engine", "dlite-trt build")
 
 
-def test_a_format_3_manifest_is_attention_ops(engine_copy):
+def test_older_formats_are_read_where_their_graphs_are_todays(engine_copy):
     """Format 3 (before "attention"): read as attention "ops", its only kind; a format-3 manifest that
-    names an attention, or whose graphs return the cache buffers ("gqa"), is refused."""
+    names an attention, or whose graphs return the cache buffers ("gqa"), is refused. Format 4: read
+    with attention "ops", refused with "gqa" (its graphs rotated outside the attention)."""
     import dataclasses
 
     from dlite_trt.engine.manifest import Manifest
     from dlite_trt.export.contract import engine_contract
 
     data = json.loads((engine_copy / MANIFEST).read_text())
-    assert data["attention"] == "ops" and data["format_version"] == FORMAT_VERSION == 4  # fp32: ops by default
+    assert data["attention"] == "ops" and data["format_version"] == FORMAT_VERSION == 5  # fp32: ops by default
     with pytest.raises(EngineError, match="engine format 3"):
         Manifest.from_dict(data | {"format_version": 3}, "m.json")
     built = Manifest.from_dict(data, "m.json")
@@ -200,7 +201,12 @@ def test_a_format_3_manifest_is_attention_ops(engine_copy):
     old = {k: v for k, v in ops.items() if k != "attention"} | {"format_version": 3}
     read = Manifest.from_dict(old, "m.json")
     assert (read.attention, read.format_version) == ("ops", FORMAT_VERSION)
-    assert Manifest.from_dict(read.to_dict(), "m.json") == read  # written back as format 4
+    assert Manifest.from_dict(read.to_dict(), "m.json") == read  # written back as format 5
+    # format 4: its "ops" graphs are format 5's; its "gqa" graphs (RoPE outside GroupQueryAttention, new
+    # entries returned) are not, and are refused with the fix named
+    assert Manifest.from_dict(ops | {"format_version": 4}, "m.json").attention == "ops"
+    with pytest.raises(EngineError, match=r"engine format 4.*Rebuild the engine"):
+        Manifest.from_dict(gqa | {"format_version": 4}, "m.json")
 
 
 def _edit(data: dict, path: list, value) -> None:

@@ -50,6 +50,9 @@ from dlite_trt.export.int4 import (
     q8_nbits_tensors,
     quantize_model,
     quantize_q8_rtn,
+    ZP_SCHEME,
+    fit_zero_point,
+    native_blocks,
     quantize_rtn,
     reference_matmul,
     with_draft,
@@ -69,7 +72,8 @@ def _blocks(scheme: str, n: int, k: int, seed: int = 0) -> Q4Blocks:
     codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
     scales = np.abs(_fp16_values(rng, (n, k // BLOCK), 0.02))
     mins = _fp16_values(rng, (n, k // BLOCK), 0.1) if scheme == "Q4_1" else None
-    return Q4Blocks("model.layers.0.self_attn.q_proj.weight", scheme, codes, scales, mins)
+    zero_points = rng.integers(0, 16, (n, k // BLOCK), dtype=np.uint8) if scheme == ZP_SCHEME else None
+    return Q4Blocks("model.layers.0.self_attn.q_proj.weight", scheme, codes, scales, mins, zero_points)
 
 
 def _q8_blocks(n: int, k: int, seed: int = 0) -> Q8Blocks:
@@ -102,6 +106,8 @@ def _kernel_weights(blocks: Q4Blocks | Q8Blocks) -> np.ndarray:
     n, k = blocks.shape
     if isinstance(blocks, Q8Blocks):
         q = blocks.codes.astype(np.float64)
+    elif blocks.zero_points is not None:  # Q4_ZP: its own zero point per block
+        q = blocks.codes.astype(np.float64) - np.repeat(blocks.zero_points, BLOCK, axis=1)
     else:
         zero = 8 if nbits_tensors(blocks).zero_points is None else 0
         q = blocks.codes.astype(np.float64) - zero
@@ -139,15 +145,16 @@ def _check_against_blocks(model: onnx.ModelProto, blocks: Q4Blocks | Q8Blocks, l
 
 
 @pytest.mark.parametrize("level", [FP32_COMPUTE, INT8_ACTIVATIONS])
-@pytest.mark.parametrize("scheme", ["Q4_1", "Q4_0"])
+@pytest.mark.parametrize("scheme", ["Q4_1", "Q4_0", ZP_SCHEME])
 def test_rewritten_matmul_equals_the_blocks_matmul(scheme: str, level: int) -> None:
-    blocks = _blocks(scheme, 96, 160)
+    blocks = _blocks(scheme, 96, 160)  # K = 160: five blocks, an odd count (the last zero point byte half used)
     model, plan = _one_matmul(blocks, level)
     assert quantize_model(model, plan, "test") == 1
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("MatMulNBits") == 1 and "onnx::MatMul_7" not in {t.name for t in model.graph.initializer}
     nbits = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
-    assert nbits.domain == CONTRIB_DOMAIN and len(nbits.input) == 3  # the kernel's default zero point 8
+    # the kernel's default zero point 8, or Q4_ZP's own
+    assert nbits.domain == CONTRIB_DOMAIN and len(nbits.input) == (4 if scheme == ZP_SCHEME else 3)
     attrs = {a.name: helper.get_attribute_value(a) for a in nbits.attribute}
     assert attrs["bits"] == 4 and attrs["accuracy_level"] == level
     assert ops.count("MatMul") == (2 if scheme == "Q4_1" else 0)  # BlockSum(x) and @ mins
@@ -357,6 +364,29 @@ def test_rtn_is_ggufs_q4_1() -> None:
     assert np.abs(blocks.dequantize() - w).max() <= (w.max() - w.min()) / 15  # within a step of each block
 
 
+def test_zero_point_blocks_fit_weights_as_closely_as_q4_1() -> None:
+    """Q4_ZP (MatMulNBits' own asymmetric form, ``native`` blocks) fitted to float weights: each weight
+    within a step of its block, and as close overall as gguf's Q4_1 (same 16 levels a block, its
+    offset a multiple of the step); a Q4_1 matrix re-fitted keeps nearly all its codes and moves each
+    weight by less than a step (by a quarter of one typically)."""
+    w = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)
+    w[0, :32] = np.linspace(0.1, 0.9, 32)  # a block of positive weights only: its zero point clamps at 0
+    fitted = fit_zero_point("w", w)
+    assert fitted.scheme == ZP_SCHEME and fitted.mins is None and fitted.zero_points.max() <= 15
+    blocks = w.reshape(64, 8, 32)
+    err = np.abs(fitted.dequantize() - w).reshape(64, 8, 32)
+    step = (np.maximum(blocks.max(-1), 0) - np.minimum(blocks.min(-1), 0)) / 15  # the range holds 0
+    assert (err <= step[..., None] + 1e-6).all()
+    q4_1 = quantize_rtn("w", w)
+    rms = lambda x: float(np.sqrt(np.mean(np.square(x))))  # noqa: E731
+    assert rms(fitted.dequantize() - w) <= 1.05 * rms(q4_1.dequantize() - w)
+    refit = native_blocks(q4_1)
+    assert native_blocks(refit) is refit and native_blocks(_blocks("Q4_0", 8, 64)).scheme == "Q4_0"
+    assert np.mean(refit.codes == q4_1.codes) > 0.8
+    moved = np.abs(refit.dequantize() - q4_1.dequantize()).reshape(64, 8, 32) / q4_1.scales[..., None]  # in steps
+    assert moved.max() < 1 and np.median(moved) < 0.3
+
+
 # --------------------------------------------------------------------------------------------- GGUF blocks
 
 
@@ -489,12 +519,12 @@ def test_int4_manifest_records_the_weight_format(engine: str, level: int, head: 
     out, manifest, pair, plan = request.getfixturevalue(engine)
     cfg = pair.generator.draft.cfg
     draft_matrices = (7 * cfg.num_hidden_layers + 1) if draft != "float" else 0  # the layers' and output_proj
-    want = WeightFormat("int4", ("Q4_1",), RTN, len(plan.matrices), None, level, head, draft, draft_matrices)
+    want = WeightFormat("int4", (ZP_SCHEME,), RTN, len(plan.matrices), None, level, head, draft, draft_matrices)
     assert manifest.weights == want == load_manifest(out).weights and manifest.dtype == "fp32"
     assert plan.head_format == head and len(plan.matrices) == 7 * pair.source.spec.num_hidden_layers
     assert plan.draft_format == draft and len(plan.draft) == draft_matrices
     text = manifest.weights.describe(manifest.dtype)
-    assert text.startswith("int4 weights (Q4_1 quantized round-to-nearest at build, 28 target matrices; LM head ")
+    assert text.startswith("int4 weights (Q4_ZP quantized round-to-nearest at build, 28 target matrices; LM head ")
     assert f"(accuracy level {level}" in text and (f"LM head {head}" if level == 4 else "LM head fp32") in text
     assert (f"draft Q8_0 ({draft_matrices} matrices)" if draft != "float" else "draft fp32") in text
     # a record from before the draft could be quantized reads as a float draft

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from dlite_trt.cli.inputs import check_random_weights
-from dlite_trt.export.nbits_levels import DRAFT_FORMATS
+from dlite_trt.export.nbits_levels import BLOCK_FORMS, DEFAULT_BLOCKS, DRAFT_FORMATS, ZP_SCHEME
 
 DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings when that is less
 
@@ -23,8 +23,13 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
               help="tensorrt: TensorRT plans (needs dlite-trt[trt] and an NVIDIA GPU).")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16", "int4"]), default="fp32", show_default=True,
               help="Engine precision (bf16: tensorrt only). int4: the target's projection matrices 4-bit "
-                   "(onnxruntime), fp32 between the matmuls (see --int4-accuracy-level); a Q4_1/Q4_0 GGUF's own "
-                   "blocks are kept exactly, other targets are quantized round-to-nearest into Q4_1.")
+                   "(onnxruntime), fp32 between the matmuls (see --int4-accuracy-level and --int4-blocks).")
+@click.option("--int4-blocks", "int4_blocks", type=click.Choice(BLOCK_FORMS), default=DEFAULT_BLOCKS, show_default=True,
+              help="With --dtype int4: the target's 4-bit blocks. native: ONNX Runtime's own form, a scale and a "
+                   "4-bit zero point per block of 32 (a Q4_0 GGUF's blocks as they are, a Q4_1 GGUF's re-fitted "
+                   "from its weights, other targets quantized into it): the fastest. ggml: llama.cpp's, a Q4_1/Q4_0 "
+                   "GGUF's own blocks exactly (other targets round-to-nearest Q4_1); Q4_1's float minima then cost "
+                   "an extra float product per matrix (docs/engine.md).")
 @click.option("--int4-accuracy-level", "int4_accuracy_level", type=click.Choice(["4", "0"]), default=None,
               help="With --dtype int4: MatMulNBits' accuracy level [default: 4 with --attention gqa, else 0]. "
                    "4: int8 activations inside the quantized matmuls (per block of 32, as onnxruntime-genai's CPU "
@@ -61,7 +66,8 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "all K drafts).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str,
-            int4_accuracy_level: str | None, int4_draft: str | None, attention: str | None, workspace_gb: float,
+            int4_accuracy_level: str | None, int4_blocks: str, int4_draft: str | None, attention: str | None,
+            workspace_gb: float,
             timing_cache: Path | None, max_seq_len: int | None,
             max_batch: int, max_chunk: int, random_weights: bool, no_calibrate: bool, quiet: bool) -> None:
     """Compile a target (Qwen3, Llama or Qwen2) and a DLite draft into an engine directory.
@@ -75,7 +81,8 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     from dlite_trt.export.contract import EngineLimits
 
     check_random_weights(random_weights, target)
-    for option, value in (("--int4-accuracy-level", int4_accuracy_level), ("--int4-draft", int4_draft)):
+    for option, value in (("--int4-accuracy-level", int4_accuracy_level), ("--int4-draft", int4_draft),
+                          ("--int4-blocks", None if int4_blocks == DEFAULT_BLOCKS else int4_blocks)):
         if value is not None and dtype != "int4":
             raise click.UsageError(f"{option} applies to --dtype int4 only.")
     hf_logging.disable_progress_bar()
@@ -83,7 +90,8 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     dtype, weights = WEIGHT_ONLY_DTYPES.get(dtype, (dtype, "float"))
     level = {} if int4_accuracy_level is None else {"int4_accuracy_level": int(int4_accuracy_level)}
     settings = BuildSettings(backend=backend, dtype=dtype, weights=weights, random_weights=random_weights,
-                             workspace_gb=workspace_gb, attention=attention, int4_draft=int4_draft, **level,
+                             workspace_gb=workspace_gb, attention=attention, int4_draft=int4_draft,
+                             int4_blocks=int4_blocks, **level,
                              timing_cache=timing_cache, fit_seq_len_to_target=max_seq_len is None,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,
                                                  max_chunk=max_chunk))
@@ -95,6 +103,10 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
                f"{drafts}, attention {manifest.attention}, "
                f"max batch {max_batch}, max seq len {manifest.limits.max_seq_len}; {len(manifest.files)} files, {total / 2**20:.1f} MiB, "
                f"built in {manifest.build['seconds']:.1f} s")
+    if manifest.weights.origin == "gguf" and ZP_SCHEME in manifest.weights.schemes:
+        click.echo("int4: the GGUF's Q4_1 blocks were re-fitted into ONNX Runtime's own 4-bit form (faster; its "
+                   "logits are a second 4-bit rounding away from the GGUF's, docs/engine.md); --int4-blocks ggml "
+                   "keeps the GGUF's blocks exactly.")
     if not no_calibrate and not random_weights:  # random weights: nothing to accept
         from dlite_trt.bench.calibrate import calibrate_engine
 

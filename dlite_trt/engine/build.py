@@ -40,7 +40,14 @@ from dlite_trt.errors import ConfigError, EngineError
 from dlite_trt.export.cache_attention import GQA_HEAD_DIM_MULTIPLE, GQA_UNAVAILABLE, onnxruntime_takes_query_seqlens
 from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, EngineLimits, engine_contract
 from dlite_trt.export.int4 import ACCURACY_LEVELS, DRAFT_FORMATS, plan_int4, quantize_graph, with_draft
-from dlite_trt.export.nbits_levels import FP32_COMPUTE, INT8_ACTIVATIONS, default_accuracy_level, default_draft_format
+from dlite_trt.export.nbits_levels import (
+    BLOCK_FORMS,
+    DEFAULT_BLOCKS,
+    FP32_COMPUTE,
+    INT8_ACTIVATIONS,
+    default_accuracy_level,
+    default_draft_format,
+)
 
 BACKENDS = tuple(BACKEND_DTYPES)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
@@ -55,6 +62,8 @@ class BuildSettings:
     int4_accuracy_level: int | None = None
     # int4: the draft's matrices, one of DRAFT_FORMATS; None: default_draft_format(level), at build
     int4_draft: str | None = None
+    # int4: the target's blocks, one of BLOCK_FORMS (export/nbits_levels.py)
+    int4_blocks: str = DEFAULT_BLOCKS
     # how the target attends over the KV cache (export/contract.py ATTENTIONS); None: default_attention(),
     # chosen at build time (it depends on the target's head_dim)
     attention: str | None = None
@@ -86,6 +95,8 @@ class BuildSettings:
         if self.int4_accuracy_level is not None and self.int4_accuracy_level not in ACCURACY_LEVELS:
             raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got "
                               f"{self.int4_accuracy_level!r}")
+        if self.int4_blocks not in BLOCK_FORMS:
+            raise ConfigError(f"int4 blocks must be one of {BLOCK_FORMS}, got {self.int4_blocks!r}")
         if self.int4_draft is not None and (self.weights != "int4" or self.int4_draft not in DRAFT_FORMATS):
             raise ConfigError(f"the draft's format is an int4 engine's setting, one of {DRAFT_FORMATS}; got "
                               f"{self.int4_draft!r} for {self.weights} weights")
@@ -129,8 +140,12 @@ def package_versions() -> dict[str, str]:
 
 
 def optimize_for_onnxruntime(src: Path, dst: Path) -> None:
-    """Let ONNX Runtime optimize a graph (function inlined, fusions applied) and save the result."""
+    """Let ONNX Runtime optimize a graph (function inlined, fusions applied), add the fusions it leaves
+    (``export/ort_fusions.py``) and save the result."""
+    import onnx
     import onnxruntime as ort
+
+    from dlite_trt.export.ort_fusions import fuse_skip_norms
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # portable across CPUs
@@ -138,6 +153,9 @@ def optimize_for_onnxruntime(src: Path, dst: Path) -> None:
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", dst.name + ".data")
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    model = onnx.load(str(dst), load_external_data=False)  # the weights stay in dst's data file, untouched
+    if fuse_skip_norms(model):
+        onnx.save_model(model, str(dst))
 
 
 def _copy_configs(src: Path | None, dst: Path) -> None:
@@ -211,8 +229,8 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
         plan, weights = None, WeightFormat()
         if int4:
             advance("int4: the target's projection matrices in 4-bit blocks (a GGUF's own, else round-to-nearest)")
-            plan = with_draft(plan_int4(pair.generator.target, spec, pair.source.path, settings.int4_accuracy_level),
-                              pair.generator.draft, settings.int4_draft)
+            plan = with_draft(plan_int4(pair.generator.target, spec, pair.source.path, settings.int4_accuracy_level,
+                                        settings.int4_blocks), pair.generator.draft, settings.int4_draft)
             weights = WeightFormat("int4", plan.schemes, plan.origin, len(plan.matrices), plan.gguf_sha256,
                                    plan.accuracy_level, plan.head_format, plan.draft_format, len(plan.draft))
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))

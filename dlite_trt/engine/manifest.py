@@ -21,15 +21,23 @@ from dlite_trt.dtypes import WEIGHT_FORMATS
 from dlite_trt.engine.weights import WEIGHTS_FILE
 from dlite_trt.errors import DLiteError, EngineError
 from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, EngineLimits, GraphSpec, engine_contract
-from dlite_trt.export.nbits_levels import ACCURACY_LEVELS, DRAFT_FORMATS, FP32_COMPUTE, HEAD_SCHEME, INT8_ACTIVATIONS
+from dlite_trt.export.nbits_levels import (
+    ACCURACY_LEVELS,
+    DRAFT_FORMATS,
+    FP32_COMPUTE,
+    HEAD_SCHEME,
+    INT8_ACTIVATIONS,
+    ZP_SCHEME,
+)
 from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TargetSource
 
 MANIFEST = "manifest.json"
 FORMAT = "dlite-trt-engine"
-FORMAT_VERSION = 4  # bump when the graph I/O or directory layout changes incompatibly
+FORMAT_VERSION = 5  # bump when the graph I/O or directory layout changes incompatibly
 # 4: "attention" (its "gqa" graphs return the cache buffers they write); a format-3 engine is read as
-# attention "ops", the only one it has
-READ_FORMAT_VERSIONS = (3, FORMAT_VERSION)
+# attention "ops", the only one it has. 5: "gqa" graphs rotate inside GroupQueryAttention and return
+# no new_key / new_value; a format-4 engine is read where its attention is "ops" (the same graphs)
+READ_FORMAT_VERSIONS = (3, 4, FORMAT_VERSION)
 GRAPH_DIR = "graphs"  # graphs/{name}.onnx, graphs/{name}.ort.onnx, graphs/weights.bin
 HASH_AT_LOAD_MAX_BYTES = 64 << 20  # files up to this size are hashed on every load; larger ones on verify
 BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16"), "tensorrt": ("fp32", "fp16", "bf16")}  # what each builds
@@ -97,7 +105,8 @@ class WeightFormat:
         int8 activations in the quantized matmuls (accuracy level 4), fp32 elsewhere``."""
         if self.format == "float":
             return dtype
-        origin = "from the GGUF, exact" if self.origin == "gguf" else "quantized round-to-nearest at build"
+        refit = "re-fitted from the GGUF's blocks" if ZP_SCHEME in self.schemes else "from the GGUF, exact"
+        origin = refit if self.origin == "gguf" else "quantized round-to-nearest at build"
         head = f"LM head {self.head}" if self.head != "float" else f"LM head {dtype}"
         draft = f"draft {self.draft} ({self.draft_matrices} matrices)" if self.draft != "float" else f"draft {dtype}"
         return (f"{self.format} weights ({'/'.join(self.schemes)} {origin}, {self.matrices} target matrices; {head}; "
@@ -238,11 +247,12 @@ class Manifest:
             if data.get("format") != FORMAT:
                 raise EngineError(f"{where} is not a dlite-trt engine manifest (format={data.get('format')!r}).")
             version = data.get("format_version")
-            if version not in READ_FORMAT_VERSIONS or (version < 4) == ("attention" in data):
+            if version not in READ_FORMAT_VERSIONS or (version < 4) == ("attention" in data) or (
+                    version < 5 and data.get("attention", "ops") != "ops"):
                 raise EngineError(
                     f"{where} was written by dlite-trt {data.get('dlite_trt_version', '?')} in engine format "
-                    f"{version}; this dlite-trt {__version__} reads formats {READ_FORMAT_VERSIONS}. Rebuild the "
-                    "engine with `dlite-trt build`.")
+                    f"{version}; this dlite-trt {__version__} reads formats {READ_FORMAT_VERSIONS} (format 4 with "
+                    "attention \"ops\" only). Rebuild the engine with `dlite-trt build`.")
             manifest = cls(
                 backend=data["backend"], dtype=data["dtype"], limits=EngineLimits(**data["limits"]),
                 target_name=data["target"]["name"],

@@ -24,7 +24,8 @@ bound per call, the session's capacity) and the greedy step's ``verify`` (k + 1)
 the rest are fixed by the models.
 KV inputs are per layer (``past_key.{i}``, [B, kvH, P, D]) so that a runtime binds slices of
 one preallocated buffer without copying; new entries come back stacked ([L, B, kvH, T, D])
-and the runtime writes only the accepted ones (O(block) per step).
+and the runtime writes only the accepted ones (O(block) per step), or (attention "gqa") the
+graph writes them into the buffer itself and returns none.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ PAD_TOKEN = -1  # fills the unused tail of ``emitted``
 # How a graph attends over the KV cache: "ops", standard ops over [the cache's slots, masked past each
 # row's length; the call's new keys]; "gqa" (ONNX Runtime), one GroupQueryAttention per layer that
 # writes the call's entries into the cache buffer in place (outputs ``present_key.{i}`` /
-# ``present_value.{i}``, bound to the same memory as ``past_key.{i}`` / ``past_value.{i}``) and
-# reads every key from its own slot (export/cache_attention.py)
+# ``present_value.{i}``, bound to the same memory as ``past_key.{i}`` / ``past_value.{i}``; no
+# new_key / new_value), reads every key from its own slot and applies RoPE itself
+# (export/cache_attention.py)
 ATTENTIONS = ("ops", "gqa")
 
 
@@ -200,14 +202,14 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
                 for i in range(n_layers) for kind in ("key", "value")]
 
     def kv_outputs(width: str | int) -> list[TensorSpec]:
-        new = [TensorSpec(f"new_{kind}", fdt, (n_layers, "batch", kv_heads, width, head_dim),
-                          f"{kind}s of this call's tokens (RoPE applied); the runtime stores the kept ones")
-               for kind in ("key", "value")]
-        present = [TensorSpec(f"present_{kind}.{i}", fdt, ("batch", kv_heads, "cache", head_dim),
-                              f"past_{kind}.{i}'s buffer (bound to the same memory), this call's entries written "
-                              "(unbound, ONNX Runtime returns a new buffer of another length)")
-                   for i in range(n_layers) for kind in ("key", "value")] if attention == "gqa" else []
-        return new + present
+        if attention == "gqa":  # the graph writes the cache itself
+            return [TensorSpec(f"present_{kind}.{i}", fdt, ("batch", kv_heads, "cache", head_dim),
+                               f"past_{kind}.{i}'s buffer (bound to the same memory), this call's entries written "
+                               "(unbound, ONNX Runtime returns a new buffer of another length)")
+                    for i in range(n_layers) for kind in ("key", "value")]
+        return [TensorSpec(f"new_{kind}", fdt, (n_layers, "batch", kv_heads, width, head_dim),
+                           f"{kind}s of this call's tokens (RoPE applied); the runtime stores the kept ones")
+                for kind in ("key", "value")]
 
     prefix = [TensorSpec("group_prefix", "int64", ("batch", g - 1),
                          "the G-1 tokens before the anchor, left-padded (any value where absent)")] if g > 1 else []

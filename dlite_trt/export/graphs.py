@@ -49,9 +49,11 @@ class _EngineGraph(nn.Module):
 
     @staticmethod
     def cache_outputs(out: TargetOutput) -> tuple[torch.Tensor, ...]:
-        """new_key, new_value, then (attention "gqa") present_key.{i}, present_value.{i} per layer."""
-        present = [t for pair in zip(out.present_k, out.present_v, strict=True) for t in pair]
-        return out.new_k, out.new_v, *present
+        """new_key, new_value; or (attention "gqa": the graph writes the cache) present_key.{i},
+        present_value.{i} per layer."""
+        if out.new_k is None:
+            return tuple(t for pair in zip(out.present_k, out.present_v, strict=True) for t in pair)
+        return out.new_k, out.new_v
 
     def draft_block(self, x: dict[str, torch.Tensor], chs: torch.Tensor, prefix: torch.Tensor | None,
                     anchor: torch.Tensor, anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,11 +2,15 @@
 
 What is quantized and what stays float (``dlite-trt build --dtype int4``):
 - int4: every ``nn.Linear`` of the target's decoder layers (q/k/v/o, gate/up/down), stored in
-  ggml's 4-bit block layouts, 32 weights per block along K (the input dim):
+  4-bit blocks, 32 weights per block along K (the input dim):
     Q4_1: fp16 scale d and fp16 minimum m per block, w = d * q + m, q in 0..15
     Q4_0: fp16 scale d per block, w = d * (q - 8)
-  A Q4_1/Q4_0 GGUF's own blocks are kept exactly (never requantized); any other target is
-  quantized round-to-nearest into Q4_1 (min/max per block, gguf's own quantizer).
+    Q4_ZP: fp32 scale s and 4-bit zero point z per block, w = s * (q - z): MatMulNBits' own form
+  With ``blocks`` "ggml" a Q4_1/Q4_0 GGUF's own blocks are kept exactly (never requantized) and any
+  other target is quantized round-to-nearest into Q4_1 (min/max per block, gguf's own quantizer);
+  with "native" (the default) every matrix runs in a form MatMulNBits takes whole: a Q4_0 GGUF's
+  blocks as they are, a Q4_1 GGUF's re-fitted into Q4_ZP (``native_blocks``), any other target
+  fitted into Q4_ZP (``fit_zero_point``).
 - 8-bit, at accuracy level 4 only: the LM head (tied to the embedding or not), as ``MatMulNBits``
   bits=8 from Q8_0 blocks (fp16 scale d per 32 weights, w = d * q, q int8): a GGUF's own head
   blocks when the file stores it as Q8_0 (SmolLM2's tied token_embd), else round-to-nearest Q8_0
@@ -80,17 +84,22 @@ import onnx.inliner
 from onnx import helper, numpy_helper
 
 from dlite_trt.errors import ConfigError, EngineError
+from dlite_trt.export.cache_attention import pack_query_key_value
 from dlite_trt.export.nbits_levels import (  # noqa: F401 (re-exported: the build reads them here)
     ACCURACY_LEVELS,
+    BLOCK_FORMS,
     DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCKS,
     DRAFT_FORMATS,
     FP32_COMPUTE,
     HEAD_SCHEME,
     INT8_ACTIVATIONS,
+    ZP_SCHEME,
 )
 
 BLOCK = 32  # weights per block along K, every ggml 4-bit type and Q8_0
 SCHEMES = ("Q4_1", "Q4_0")  # ggml types kept as they are
+Q4_SCHEMES = (*SCHEMES, ZP_SCHEME)
 HEAD_NAME = "lm_head.weight"  # the LM head's parameter (tied: the same tensor as model.embed_tokens.weight)
 CONTRIB_DOMAIN = "com.microsoft"
 TARGET_SCOPE = "/target/"  # node-name prefix of the target's ops in every engine graph
@@ -118,19 +127,24 @@ class Q4Blocks:
     """One [N, K] weight matrix in a ggml 4-bit block layout (32 weights per block along K)."""
 
     name: str  # checkpoint parameter, e.g. model.layers.0.self_attn.q_proj.weight
-    scheme: str  # Q4_1 | Q4_0
+    scheme: str  # Q4_1 | Q4_0 | Q4_ZP
     codes: np.ndarray  # [N, K] uint8, 0..15
-    scales: np.ndarray  # [N, K/32] float32 (fp16 values)
+    scales: np.ndarray  # [N, K/32] float32 (fp16 values but for Q4_ZP)
     mins: np.ndarray | None  # [N, K/32] float32 (fp16 values); Q4_1 only
+    zero_points: np.ndarray | None = None  # [N, K/32] uint8, 0..15; Q4_ZP only
 
     def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"{self.name}: scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.scheme not in Q4_SCHEMES:
+            raise ValueError(f"{self.name}: scheme must be one of {Q4_SCHEMES}, got {self.scheme!r}")
         blocks = _check_blocks(self.name, self.codes, np.uint8, self.scales)
-        if (self.mins is None) != (self.scheme == "Q4_0") or (
+        if (self.mins is None) != (self.scheme != "Q4_1") or (
                 self.mins is not None and (self.mins.shape != blocks or self.mins.dtype != np.float32)):
-            raise ValueError(f"{self.name}: {self.scheme} needs {'no' if self.scheme == 'Q4_0' else 'float32'} "
+            raise ValueError(f"{self.name}: {self.scheme} needs {'float32' if self.scheme == 'Q4_1' else 'no'} "
                              f"minima {blocks}")
+        if (self.zero_points is None) != (self.scheme != ZP_SCHEME) or (self.zero_points is not None and (
+                self.zero_points.shape != blocks or self.zero_points.dtype != np.uint8 or self.zero_points.max() > 15)):
+            raise ValueError(f"{self.name}: {self.scheme} needs {'uint8 (0..15)' if self.scheme == ZP_SCHEME else 'no'} "
+                             f"zero points {blocks}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -141,12 +155,53 @@ class Q4Blocks:
         n, k = self.shape
         q = self.codes.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
         d = self.scales[:, :, None]
-        w = d * q + self.mins[:, :, None] if self.mins is not None else d * (q - np.float32(8))
+        if self.mins is not None:
+            w = d * q + self.mins[:, :, None]
+        else:
+            zero = np.float32(8) if self.zero_points is None else self.zero_points[:, :, None].astype(np.float32)
+            w = d * (q - zero)
         return w.reshape(n, k)
 
     def permute_rows(self, order: np.ndarray) -> Q4Blocks:
         return Q4Blocks(self.name, self.scheme, self.codes[order], self.scales[order],
-                        None if self.mins is None else self.mins[order])
+                        None if self.mins is None else self.mins[order],
+                        None if self.zero_points is None else self.zero_points[order])
+
+
+def fit_zero_point(name: str, weight: np.ndarray) -> Q4Blocks:
+    """[N, K] float weights in MatMulNBits' own asymmetric 4-bit form (Q4_ZP: w ~ s * (q - z), an fp32
+    scale and a 4-bit zero point per block of 32): per block, the zero point either side of -min / s
+    with s = (max - min) / 15 (min <= 0 <= max), each with its least-squares scale and codes rounded
+    to it, whichever is closer to the weights. On a Q4_1 block's own values (which span its codes) that keeps s = d
+    and the codes, and moves the block's minimum by at most half a step to the grid point s * -z."""
+    if weight.ndim != 2 or weight.shape[1] % BLOCK:
+        raise ConfigError(f"--dtype int4 quantizes blocks of {BLOCK} along a matrix's input dim; {name} is "
+                          f"{tuple(weight.shape)}. Build this target with --dtype fp32.")
+    n, k = weight.shape
+    w = weight.astype(np.float64).reshape(n, k // BLOCK, BLOCK)
+    lo, hi = np.minimum(w.min(-1), 0), np.maximum(w.max(-1), 0)  # the grid holds 0: z in 0..15
+    step = np.where(hi > lo, (hi - lo) / 15, 1.0)
+    fits = []  # (squared error [N, K/32], codes, scale, zero point) for each zero point tried
+    for z in (np.floor(-lo / step), np.ceil(-lo / step)):
+        z = np.clip(z, 0, 15)[..., None]
+        c = np.clip(np.rint(w / step[..., None] + z), 0, 15) - z
+        denom = (c * c).sum(-1, keepdims=True)
+        s = (w * c).sum(-1, keepdims=True) / np.maximum(denom, 1)  # least squares for these codes
+        s = np.where((denom > 0) & (s > 0), s, step[..., None])
+        q = np.clip(np.rint(w / s + z), 0, 15)
+        fits.append((((s * (q - z) - w) ** 2).sum(-1), q, s, z))
+    second = (fits[1][0] < fits[0][0])[..., None]
+    q, s, z = (np.where(second, b, a) for a, b in zip(fits[0][1:], fits[1][1:], strict=True))
+    return Q4Blocks(name, ZP_SCHEME, q.astype(np.uint8).reshape(n, k), s[..., 0].astype(np.float32), None,
+                    z[..., 0].astype(np.uint8))
+
+
+def native_blocks(blocks: Q4Blocks) -> Q4Blocks:
+    """``blocks`` in a form MatMulNBits runs with no product besides its own: Q4_0 and Q4_ZP as they
+    are; Q4_1 (whose float minimum per block it has no input for) re-fitted into Q4_ZP from its own
+    weights (``fit_zero_point``): the GGUF's blocks no longer exactly, one float product and sum a
+    matrix fewer."""
+    return fit_zero_point(blocks.name, blocks.dequantize()) if blocks.scheme == "Q4_1" else blocks
 
 
 def blocks_from_ggml(name: str, scheme: str, raw: np.ndarray, shape: tuple[int, int]) -> Q4Blocks:
@@ -375,15 +430,20 @@ def gguf_head_blocks(path: Path, spec, shape: tuple[int, int]) -> Q8Blocks | Non
     return q8_blocks_from_ggml(HEAD_NAME, t.data, t.shape)
 
 
-def plan_int4(target, spec, target_dir: Path | None, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> Int4Plan:
+def plan_int4(target, spec, target_dir: Path | None, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+              blocks: str = DEFAULT_BLOCKS) -> Int4Plan:
     """What ``--dtype int4`` stores for a target: a GGUF conversion's own blocks (checked to
-    dequantize bit for bit to the converted fp32 weights), else round-to-nearest Q4_1; at accuracy
-    level 4 also the LM head as Q8_0 (the GGUF's own where it stores Q8_0, else round-to-nearest,
-    and float for a GGUF head of another type)."""
+    dequantize bit for bit to the converted fp32 weights), else round-to-nearest Q4_1; with
+    ``blocks`` "native" (``BLOCK_FORMS``) in MatMulNBits' own forms instead (``native_blocks``: a
+    Q4_1 GGUF's re-fitted, other targets fitted into Q4_ZP from their weights); at accuracy level 4
+    also the LM head as Q8_0 (the GGUF's own where it stores Q8_0, else round-to-nearest, and float
+    for a GGUF head of another type)."""
     from dlite_trt.gguf_import import gguf_origin, read_import_record
 
     if accuracy_level not in ACCURACY_LEVELS:
         raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got {accuracy_level!r}")
+    if blocks not in BLOCK_FORMS:
+        raise ConfigError(f"int4 blocks must be one of {BLOCK_FORMS}, got {blocks!r}")
     weights = target_projections(target)
     keys = {_weight_key(w.T): name for name, w in weights.items()}
     head_weight = None  # [V, H]
@@ -393,18 +453,21 @@ def plan_int4(target, spec, target_dir: Path | None, accuracy_level: int = DEFAU
     gguf_file = gguf_origin(target_dir) if target_dir is not None else None
     if gguf_file is None:
         head = quantize_q8_rtn(HEAD_NAME, head_weight) if head_weight is not None else None
-        return Int4Plan(RTN, {n: quantize_rtn(n, w) for n, w in weights.items()}, keys,
+        quantize = fit_zero_point if blocks == "native" else quantize_rtn
+        return Int4Plan(RTN, {n: quantize(n, w) for n, w in weights.items()}, keys,
                         accuracy_level=accuracy_level, head=head)
     matrices = gguf_blocks(gguf_file, spec, {n: w.shape for n, w in weights.items()})
     head = gguf_head_blocks(gguf_file, spec, head_weight.shape) if head_weight is not None else None
     converted = dict(weights) | ({HEAD_NAME: head_weight} if head is not None else {})
-    for name, blocks in [*matrices.items(), *([(HEAD_NAME, head)] if head is not None else [])]:
-        if not np.array_equal(blocks.dequantize(), converted[name]):
-            raise EngineError(f"the {blocks.scheme} blocks of {name} in {gguf_file} do not dequantize to the weights "
+    for name, stored in [*matrices.items(), *([(HEAD_NAME, head)] if head is not None else [])]:
+        if not np.array_equal(stored.dequantize(), converted[name]):
+            raise EngineError(f"the {stored.scheme} blocks of {name} in {gguf_file} do not dequantize to the weights "
                               f"converted from it in {target_dir}; delete that directory (the conversion cache) "
                               "and build again.")
     if head is None:
         keys = {k: n for k, n in keys.items() if n != HEAD_NAME}
+    if blocks == "native":
+        matrices = {n: native_blocks(b) for n, b in matrices.items()}
     return Int4Plan(GGUF, matrices, keys, read_import_record(target_dir)["sha256"], accuracy_level, head)
 
 
@@ -444,6 +507,10 @@ def nbits_tensors(blocks: Q4Blocks) -> NBitsTensors:
     pairs = blocks.codes.reshape(n, kb, BLOCK // 2, 2)
     qweight = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
     scales = blocks.scales.reshape(-1)
+    if blocks.zero_points is not None:  # Q4_ZP: s * (q - z), two zero points a byte (low nibble first) per row
+        z = np.zeros((n, -(-kb // 2) * 2), np.uint8)
+        z[:, :kb] = blocks.zero_points
+        return NBitsTensors(qweight, scales, (z[:, 0::2] | (z[:, 1::2] << 4)).reshape(-1), None)
     if blocks.mins is None:  # Q4_0: d * (q - 8), the kernel's default zero point
         return NBitsTensors(qweight, scales, None, None)
     shifted = blocks.mins + np.float32(8) * blocks.scales
@@ -607,6 +674,7 @@ def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draf
     graph.initializer.extend(kept + list(added.values()))
     if not any(o.domain == CONTRIB_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
+    pack_query_key_value(model)  # attention "gqa": a layer's stacked q/k/v product read whole, not split
     return sum(found.values())
 
 

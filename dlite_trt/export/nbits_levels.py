@@ -7,6 +7,12 @@ INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int
 FP32_COMPUTE = 0  # MatMulNBits accuracy_level: fp32 compute on the dequantized weights
 ACCURACY_LEVELS = (INT8_ACTIVATIONS, FP32_COMPUTE)
 DEFAULT_ACCURACY_LEVEL = INT8_ACTIVATIONS  # the fastest; lossless with attention "gqa" (export/contract.py)
+# the target's 4-bit blocks: "native", MatMulNBits' own forms (Q4_0, or Q4_ZP: a zero point per block; a Q4_1
+# GGUF's blocks re-fitted), one node a product; "ggml", llama.cpp's (a GGUF's own blocks exactly; Q4_1's float
+# minima then cost a float product and a sum per matrix: docs/engine.md)
+BLOCK_FORMS = ("native", "ggml")
+ZP_SCHEME = "Q4_ZP"  # MatMulNBits' own asymmetric form: fp32 scale s and 4-bit zero point z per block, w = s * (q - z)
+DEFAULT_BLOCKS = "native"
 
 
 def default_accuracy_level(attention: str) -> int:

@@ -115,7 +115,7 @@ def export_graph(graph: GraphSpec, target: TargetAdapter, draft: DLiteDraft, pat
         model = onnx.load(str(raw), load_external_data=False)
         _declare_output_shapes(model, graph)
         if module.writes_cache:
-            lower_cache_attention(model)
+            lower_cache_attention(model, max_positions=graph.dim("cache").max)
         if module.uses_draft and (tables := _head_tables(module, draft)):
             _constants_as_initializers(model, tables)
         if module.uses_draft and lowering == "onnxruntime":

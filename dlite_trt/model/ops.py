@@ -180,35 +180,44 @@ CACHE_ATTENTION_OP = "CacheAttention"  # in the dlite domain; export/cache_atten
 
 
 class _CacheAttention(torch.autograd.Function):
-    """A call's T tokens attending over one KV buffer that the call also writes.
+    """A call's T tokens attending over one KV buffer that the call also writes, RoPE applied inside.
 
-    q [B, T, nH * D], k / v [B, T, kvH * D] (RoPE applied), past_k / past_v [B, kvH, P, D] with
-    each row's first past_len entries valid -> (out [B, T, nH * D], present_k, present_v): the
-    buffers with row b's new entries written at slots past_len[b] .. past_len[b] + T - 1, and
-    query t attending over slots 0 .. past_len[b] + t. Every key is read from its own slot, so a
-    position's attention sums the same terms in the same order whichever call computes it (a
-    verify of several tokens or a later decode call). Exports as one ``dlite::CacheAttention``
-    node, which the ONNX Runtime lowering makes a GroupQueryAttention over a shared buffer.
+    q [B, T, nH * D], k / v [B, T, kvH * D] (RoPE not applied), past_k / past_v [B, kvH, P, D] with
+    each row's first past_len entries valid, positions [B, T] (= past_len[b] + t), inv_freq
+    [D / 2] (``rope_inv_freq``) -> (out [B, T, nH * D], present_k, present_v): q and k rotated to
+    their positions, the buffers with row b's new entries written at slots past_len[b] ..
+    past_len[b] + T - 1, and query t attending over slots 0 .. past_len[b] + t. Every key is read
+    from its own slot, so a position's attention sums the same terms in the same order whichever
+    call computes it (a verify of several tokens or a later decode call). Exports as one
+    ``dlite::CacheAttention`` node, which the ONNX Runtime lowering makes a GroupQueryAttention over
+    a shared buffer that also rotates (its cos/sin tables made from inv_freq at the lowering).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, past_k, past_v, past_len, num_heads: int, kv_heads: int, scale: float):
+    def forward(ctx, q, k, v, past_k, past_v, past_len, positions, inv_freq, num_heads: int, kv_heads: int,
+                scale: float):
         b, t = q.shape[:2]
         p, d = past_k.shape[2:]
-        pos = past_len[:, None] + torch.arange(t, device=q.device)[None, :]  # [B, T]
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]: rope_cos_sin's arithmetic
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        q = apply_rope(q.reshape(b, t, num_heads, d).transpose(1, 2), cos, sin)  # [B, nH, T, D]
+        k = apply_rope(k.reshape(b, t, kv_heads, d).transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, kvH, D]
+        pos = past_len[:, None] + torch.arange(t, device=q.device)[None, :]  # [B, T] slots
         rows = torch.arange(b, device=q.device)[:, None].expand(b, t)
         fits = pos < p  # slots past the buffer are not written (GroupQueryAttention refuses such a call)
         present = []
-        for past, new in ((past_k, k), (past_v, v)):
+        for past, new in ((past_k, k), (past_v, v.reshape(b, t, kv_heads, d))):
             buf = past.clone()
-            buf.permute(0, 2, 1, 3)[rows[fits], pos[fits]] = new.reshape(b, t, kv_heads, d)[fits].to(buf.dtype)
+            buf.permute(0, 2, 1, 3)[rows[fits], pos[fits]] = new[fits].to(buf.dtype)
             present.append(buf)
         mask = torch.arange(p, device=q.device)[None, None, :] <= pos[:, :, None]  # [B, T, P]
-        out = attention(q.reshape(b, t, num_heads, d).transpose(1, 2), present[:1], present[1:], (mask,), scale)
+        out = attention(q, present[:1], present[1:], (mask,), scale)
         return out, present[0], present[1]
 
     @staticmethod
-    def symbolic(g, q, k, v, past_k, past_v, past_len, num_heads: int, kv_heads: int, scale: float):
+    def symbolic(g, q, k, v, past_k, past_v, past_len, positions, inv_freq, num_heads: int, kv_heads: int,
+                 scale: float):
         int32 = 6  # TensorProto.INT32
         t = g.op("Shape", q, start_i=1, end_i=2)  # [1] int64
         one = g.op("Constant", value_t=torch.tensor([1], dtype=torch.int64))
@@ -217,17 +226,18 @@ class _CacheAttention(torch.autograd.Function):
                         g.op("Constant", value_t=torch.tensor([0], dtype=torch.int64)))
         query_seqlens = g.op("Cast", g.op("Expand", t, g.op("Shape", past_len)), to_i=int32)  # [B] = T
         out, present_k, present_v = g.op(f"dlite::{CACHE_ATTENTION_OP}", q, k, v, past_k, past_v, seqlens_k,
-                                         g.op("Cast", capacity, to_i=int32), query_seqlens, num_heads_i=num_heads,
-                                         kv_num_heads_i=kv_heads, scale_f=scale, outputs=3)
+                                         g.op("Cast", capacity, to_i=int32), query_seqlens, positions, inv_freq,
+                                         num_heads_i=num_heads, kv_num_heads_i=kv_heads, scale_f=scale, outputs=3)
         for value, like in ((out, q), (present_k, past_k), (present_v, past_v)):
             value.setType(like.type())
         return out, present_k, present_v
 
 
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
-                    past_len: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_CacheAttention`` on q [B, nH, T, D] and k / v [B, kvH, T, D] (the layout ``attention``
-    takes): (out [B, T, nH * D], present_k, present_v)."""
-    n_heads, kv_heads = static_size(q, 1), static_size(k, 1)
-    packed = [reshape(x.transpose(1, 2), (0, 0, -1)) for x in (q, k, v)]  # [B, T, h * D]
-    return _CacheAttention.apply(*packed, past_k, past_v, past_len, n_heads, kv_heads, scale)
+                    past_len: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_CacheAttention`` on q [B, T, nH * D] and k / v [B, T, kvH * D] (heads packed as the
+    projections make them, RoPE not applied) at positions [B, T]: (out [B, T, nH * D], present_k,
+    present_v)."""
+    kv_heads = static_size(past_k, 1)
+    return _CacheAttention.apply(q, k, v, past_k, past_v, past_len, positions, inv_freq, num_heads, kv_heads, scale)

@@ -21,14 +21,23 @@ import torch
 from torch import nn
 
 from dlite_trt.config import TargetSpec
-from dlite_trt.model.ops import apply_rope, attention, cache_attention, reshape, rms_norm, rope_cos_sin
+from dlite_trt.model.ops import (
+    apply_rope,
+    attention,
+    cache_attention,
+    reshape,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 
 class TargetOutput(NamedTuple):
     logits: torch.Tensor  # [B, R, V] at the requested output indices
     hidden: torch.Tensor  # [B, R, S, H] selected layers at the same indices
-    new_k: torch.Tensor  # [L, B, kvH, T, D] keys of the T input tokens (RoPE applied)
-    new_v: torch.Tensor  # [L, B, kvH, T, D]
+    # [L, B, kvH, T, D] keys (RoPE applied) and values of the T input tokens; None with ``write_cache``
+    new_k: torch.Tensor | None
+    new_v: torch.Tensor | None
     # with ``write_cache``: per layer, the cache buffers with the new entries written ([B, kvH, P, D])
     present_k: tuple[torch.Tensor, ...] = ()
     present_v: tuple[torch.Tensor, ...] = ()
@@ -75,7 +84,10 @@ class TargetAdapter(nn.Module):
                              f"{tuple(past_len.shape)}, {tuple(output_index.shape)}")
         p = past_k[0].shape[2]
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, x.dtype, spec.rope_scaling)
+        if write_cache:  # the RoPE tables are made inside the cache attention (export: GroupQueryAttention's)
+            inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling, x.device)
+        else:
+            cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, x.dtype, spec.rope_scaling)
         # Keys: P cached entries (valid below past_len) then the T new ones (causal).
         past_ok = torch.arange(p, device=x.device)[None, None, :] < past_len[:, None, None]  # [B, 1, P]
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None]  # [1, T, T]
@@ -88,19 +100,23 @@ class TargetAdapter(nn.Module):
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q, k = reshape(attn.q_proj(h), split_heads), reshape(attn.k_proj(h), split_heads)
-            if qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = reshape(attn.v_proj(h), split_heads).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            new_k.append(k)
-            new_v.append(v)
-            if write_cache:
-                attended, pk, pv = cache_attention(q, k, v, past_k[i], past_v[i], past_len, scale)
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)  # [B, T, heads * D]
+            if qk_norm:  # per head
+                q, k = attn.q_norm(reshape(q, split_heads)), attn.k_norm(reshape(k, split_heads))
+            if write_cache:  # heads packed, RoPE inside, as GroupQueryAttention takes them
+                if qk_norm:
+                    q, k = reshape(q, (0, 0, -1)), reshape(k, (0, 0, -1))
+                attended, pk, pv = cache_attention(q, k, v, past_k[i], past_v[i], past_len, positions, inv_freq,
+                                                   spec.num_attention_heads, scale)
                 present_k.append(pk)
                 present_v.append(pv)
             else:
+                q, k = (t if qk_norm else reshape(t, split_heads) for t in (q, k))
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
+                v = reshape(v, split_heads).transpose(1, 2)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                new_k.append(k)
+                new_v.append(v)
                 attended = attention(q, (past_k[i], k), (past_v[i], v), (past_ok, causal), scale)
             x = x + attn.o_proj(attended)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -112,7 +128,9 @@ class TargetAdapter(nn.Module):
             selected[n_layers - 1] = normed
         hidden = torch.stack([selected[i] for i in self.layer_ids], dim=2)  # [B, R, S, H]
         logits = self.lm_head(normed)  # [B, R, V]
-        return TargetOutput(logits, hidden, torch.stack(new_k), torch.stack(new_v), tuple(present_k), tuple(present_v))
+        if write_cache:
+            return TargetOutput(logits, hidden, None, None, tuple(present_k), tuple(present_v))
+        return TargetOutput(logits, hidden, torch.stack(new_k), torch.stack(new_v))
 
 
 def _check_cache(past_k, past_v, cache_shape: tuple[int, int, int, int]) -> None:

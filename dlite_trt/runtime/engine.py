@@ -184,7 +184,7 @@ class EngineSession(SessionBase):
         return out
 
     def _store(self, out: dict[str, Any], start: list[int], count: list[int]) -> None:
-        self.cache.write(out["new_key"], out["new_value"], start, count)
+        self.cache.store(out, start, count)
 
     def _prefill(self, graph: str, feeds: dict[str, Any]) -> dict[str, Any]:
         out = {}

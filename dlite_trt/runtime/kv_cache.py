@@ -6,7 +6,8 @@ in one allocation. A forward reads a view of the first P entries and
 returns only its new entries; ``write`` copies those into each sequence's slots. Entries past
 a sequence's valid length (rejected drafts, padding) are never read: the attention mask
 stops at ``past_len``, and the next write overwrites them. (An ONNX Runtime engine with
-attention "gqa" also writes all of a call's entries there itself, in place; the same holds.)
+attention "gqa" writes all of a call's entries there itself, in place, and returns none: ``store``
+then has nothing to copy; the same holds.)
 
 Engines bind each layer's whole [B, kvH, capacity, D] slice (a prefix of the capacity axis is
 not contiguous), so a call over attention "ops" attends over the capacity (one over "gqa"
@@ -19,6 +20,9 @@ where a larger headroom would make every step attend over the waste instead.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,6 +126,12 @@ class KVCache:
     def view(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` slots of every sequence, [L, B, kvH, length, D], without copying."""
         return self.k[:, :, :, :length], self.v[:, :, :, :length]
+
+    def store(self, out: Mapping[str, Any], start: list[int], count: list[int]) -> None:
+        """Keep an engine call's new entries (``write``), where it returns them: a graph with attention
+        "gqa" has written them into the bound buffers itself (export/contract.py)."""
+        if "new_key" in out:
+            self.write(out["new_key"], out["new_value"], start, count)
 
     def write(self, new_k: torch.Tensor | np.ndarray, new_v: torch.Tensor | np.ndarray, start: list[int],
               count: list[int]) -> None:

@@ -434,7 +434,7 @@ class _DLiteCalls:
         out = self.sched.counter.infer("step" + SAMPLING_SUFFIX * sampling, feeds, view)
         out = _outputs(out)
         n = out["accepted"].tolist()
-        view.write(out["new_key"], out["new_value"], past_len.tolist(), [a + 1 for a in n])
+        view.store(out, past_len.tolist(), [a + 1 for a in n])
         results, logits = [], _host(out.get("next_draft_logits"))
         for i, row in enumerate(rows):
             state = {"block": out["next_block"][i], "logits": None if logits is None else logits[i]}
@@ -522,7 +522,7 @@ class _DecodeCalls:
             "input_ids": ids, "past_len": past_len, "temperature": _temperatures(rows), "uniforms": uniforms,
             "output_index": index}, view)
         out = _outputs(out)
-        view.write(out["new_key"], out["new_value"], past_len.tolist(), [len(f) for f in fed])
+        view.store(out, past_len.tolist(), [len(f) for f in fed])
         results = []
         for i, (row, want) in enumerate(zip(rows, proposals, strict=True)):
             got = out["next_tokens"][i].tolist()
