@@ -83,3 +83,24 @@ def test_sample_categorical_inverse_cdf():
     us = torch.tensor([0.0, 0.05, 0.1, 0.69, 0.71, 0.9999])
     got = sample_categorical(probs.expand(len(us), -1), us)
     assert got.tolist() == [0, 0, 2, 2, 3, 3]  # never the zero-probability token 1
+
+
+def test_sample_categorical_over_a_large_vocabulary_is_the_inverse_cdf():
+    """The two-level search (block sums, then inside the block) picks the token a full-vocabulary
+    inverse CDF in float64 picks, wherever u * total is not within float32 rounding of a CDF entry
+    (where either neighbour is right), for vocabularies that are and are not a multiple of the block
+    and for u at the ends; never a token of probability 0."""
+    from dlite_trt.runtime.sampling import SAMPLE_BLOCK
+
+    gen = torch.Generator().manual_seed(3)
+    for v in (SAMPLE_BLOCK * 3, 1000, 49152 + 17):
+        probs = torch.softmax(torch.randn(64, v, generator=gen) * 4, dim=-1)
+        probs[:, 5] = 0.0  # a token that must never be drawn
+        u = torch.cat([torch.rand(61, generator=gen), torch.tensor([0.0, 0.5, 1 - 1e-7])])
+        got = sample_categorical(probs, u)
+        cdf = probs.double().cumsum(-1)
+        target = u.double()[:, None] * cdf[:, -1:]
+        want = (cdf <= target).sum(-1).clamp(max=v - 1)
+        near = ((cdf - target).abs() <= 1e-5 * cdf[:, -1:]).any(-1)
+        assert ((got == want) | near).all(), v
+        assert (got != 5).all() and (got < v).all()

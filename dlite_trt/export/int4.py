@@ -143,8 +143,8 @@ class Q4Blocks:
                              f"minima {blocks}")
         if (self.zero_points is None) != (self.scheme != ZP_SCHEME) or (self.zero_points is not None and (
                 self.zero_points.shape != blocks or self.zero_points.dtype != np.uint8 or self.zero_points.max() > 15)):
-            raise ValueError(f"{self.name}: {self.scheme} needs {'uint8 (0..15)' if self.scheme == ZP_SCHEME else 'no'} "
-                             f"zero points {blocks}")
+            kind = "uint8 (0..15)" if self.scheme == ZP_SCHEME else "no"
+            raise ValueError(f"{self.name}: {self.scheme} needs {kind} zero points {blocks}")
 
     @property
     def shape(self) -> tuple[int, int]:

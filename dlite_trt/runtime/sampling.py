@@ -7,6 +7,9 @@ gives the same tokens in the reference, in an exported graph and in a plugin.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from dlite_trt.model.ops import reshape
 
 GREEDY_EPS = 1e-5  # temperatures at or below this are greedy
 
@@ -20,16 +23,29 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
+SAMPLE_BLOCK = 256  # the inverse CDF's first level: sums of this many consecutive probabilities
+
+
 def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample: probs [..., V] (need not be normalised), u [...] in [0, 1) -> ids [...].
 
-    The id is the number of CDF entries <= u * total (the first entry above it), written
-    with cumsum/compare/sum so that it exports to ONNX (no searchsorted there).
+    The id is the first whose CDF entry is above u * total, found in two levels so that no op runs
+    a scan over the whole vocabulary (a cumsum over V is one thread's sequential pass in ONNX
+    Runtime, and every greedy call of a graph computes this branch too): the CDF of the sums of
+    ``SAMPLE_BLOCK`` consecutive probabilities picks the block (the number of its entries <= the
+    target), then the CDF inside that block, from the sum of the blocks before it, picks the id.
+    Written with cumsum/compare/sum/gather so that it exports to ONNX (no searchsorted there).
     """
-    cdf = probs.cumsum(dim=-1)  # [..., V]
-    target = u.to(cdf.dtype).unsqueeze(-1) * cdf[..., -1:]  # [..., 1]
-    idx = (cdf <= target).sum(dim=-1)
-    return idx.clamp(max=probs.shape[-1] - 1)
+    v, lead = probs.shape[-1], (0,) * (probs.ndim - 1)  # lead: ONNX Reshape's "copy this dim", static ranks
+    blocks = reshape(F.pad(probs, (0, -v % SAMPLE_BLOCK)), (*lead, -1, SAMPLE_BLOCK))  # [..., V/B, B], zeros padded
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [..., V/B]
+    target = u.to(block_cdf.dtype).unsqueeze(-1) * block_cdf[..., -1:]  # [..., 1]
+    block = (block_cdf <= target).sum(dim=-1).clamp(max=block_cdf.shape[-1] - 1)  # [...]
+    before = block_cdf.gather(-1, (block - 1).clamp(min=0).unsqueeze(-1)) * (block > 0).unsqueeze(-1)  # [..., 1]
+    rows = block[..., None, None] + torch.zeros_like(blocks[..., :1, :], dtype=torch.int64)  # [..., 1, B]
+    inside = blocks.gather(-2, rows)[..., 0, :]  # [..., B], the chosen block ([..., 0, :], not squeeze: no If in ONNX)
+    idx = (before + inside.cumsum(dim=-1) <= target).sum(dim=-1).clamp(max=SAMPLE_BLOCK - 1)
+    return (block * SAMPLE_BLOCK + idx).clamp(max=v - 1)
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: float | torch.Tensor,
