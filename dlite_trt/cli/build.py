@@ -24,8 +24,8 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16", "int4"]), default="fp32", show_default=True,
               help="Engine precision (bf16: tensorrt only). int4: the target's projection matrices 4-bit "
                    "(onnxruntime), fp32 between the matmuls (see --int4-accuracy-level and --int4-blocks).")
-@click.option("--int4-blocks", "int4_blocks", type=click.Choice(BLOCK_FORMS), default=DEFAULT_BLOCKS, show_default=True,
-              help="With --dtype int4: the target's 4-bit blocks. native: ONNX Runtime's own form, a scale and a "
+@click.option("--int4-blocks", "int4_blocks", type=click.Choice(BLOCK_FORMS), default=None,
+              help=f"With --dtype int4: the target's 4-bit blocks [default: {DEFAULT_BLOCKS}]. native: ONNX Runtime's own form, a scale and a "
                    "4-bit zero point per block of 32 (a Q4_0 GGUF's blocks as they are, a Q4_1 GGUF's re-fitted "
                    "from its weights, other targets quantized into it): the fastest. ggml: llama.cpp's, a Q4_1/Q4_0 "
                    "GGUF's own blocks exactly (other targets round-to-nearest Q4_1); Q4_1's float minima then cost "
@@ -66,7 +66,7 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "all K drafts).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str,
-            int4_accuracy_level: str | None, int4_blocks: str, int4_draft: str | None, attention: str | None,
+            int4_accuracy_level: str | None, int4_blocks: str | None, int4_draft: str | None, attention: str | None,
             workspace_gb: float,
             timing_cache: Path | None, max_seq_len: int | None,
             max_batch: int, max_chunk: int, random_weights: bool, no_calibrate: bool, quiet: bool) -> None:
@@ -82,7 +82,7 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
 
     check_random_weights(random_weights, target)
     for option, value in (("--int4-accuracy-level", int4_accuracy_level), ("--int4-draft", int4_draft),
-                          ("--int4-blocks", None if int4_blocks == DEFAULT_BLOCKS else int4_blocks)):
+                          ("--int4-blocks", int4_blocks)):
         if value is not None and dtype != "int4":
             raise click.UsageError(f"{option} applies to --dtype int4 only.")
     hf_logging.disable_progress_bar()
@@ -91,7 +91,7 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     level = {} if int4_accuracy_level is None else {"int4_accuracy_level": int(int4_accuracy_level)}
     settings = BuildSettings(backend=backend, dtype=dtype, weights=weights, random_weights=random_weights,
                              workspace_gb=workspace_gb, attention=attention, int4_draft=int4_draft,
-                             int4_blocks=int4_blocks, **level,
+                             int4_blocks=int4_blocks or DEFAULT_BLOCKS, **level,
                              timing_cache=timing_cache, fit_seq_len_to_target=max_seq_len is None,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,
                                                  max_chunk=max_chunk))

@@ -73,10 +73,7 @@ def lower_cache_attention(model: onnx.ModelProto, max_positions: int) -> int:
         node.input[:] = [*first, *[rotary.get(i, "") for i in range(len(first), QUERY_SEQLENS_INPUT)], query_seqlens]
         node.attribute.append(onnx.helper.make_attribute("do_rotary", 1))
     drop_unused_nodes(model)
-    if nodes:  # inv_freq, now in the tables
-        kept = [i for i in model.graph.initializer if i.name != shared[9]]
-        del model.graph.initializer[:]
-        model.graph.initializer.extend(kept)
+    drop_unused_initializers(model)  # inv_freq, now in the tables
     if nodes and not any(op.domain == ORT_DOMAIN for op in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(ORT_DOMAIN, 1))
     if not any(n.domain == DOMAIN for n in model.graph.node):  # the decode graph: nothing of ours is left
@@ -90,7 +87,8 @@ def pack_query_key_value(model: onnx.ModelProto) -> int:
     """Where a GroupQueryAttention's query, key and value are, in that order, the three outputs of one
     Split of one tensor along its last axis (a stacked q/k/v product, export/int4.py) that nothing
     else reads, give it that tensor as its packed query (key and value empty: the op's packed QKV
-    input, which it reads in the same slices) and drop the Split; in place, returns how many."""
+    input, which it reads in the same slices) and drop the Split; in place, returns how many. The
+    Splits' sizes stay as initializers (``drop_unused_initializers`` takes them)."""
     graph = model.graph
     readers: dict[str, int] = {}
     for node in graph.node:
@@ -110,21 +108,21 @@ def pack_query_key_value(model: onnx.ModelProto) -> int:
     kept = [n for n in graph.node if id(n) not in dropped]
     del graph.node[:]
     graph.node.extend(kept)
-    read = _read_names(graph.node)  # subgraphs' reads included
-    inits = [t for t in graph.initializer if t.name in read or t.name in outputs]  # the Splits' sizes go too
-    del graph.initializer[:]
-    graph.initializer.extend(inits)
     return packed
 
 
 def rotary_tables(inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """GroupQueryAttention's cos_cache / sin_cache [max_positions, D / 2] for RoPE inverse frequencies
-    [D / 2], computed as ``model.ops.rope_cos_sin`` computes them (fp32 position x inv_freq, torch's
-    cos and sin), so the op rotates by the reference's values."""
+    [D / 2]: the first half of ``model.ops.rope_from_inv_freq``'s, so the op rotates by the
+    reference's values."""
     import torch
 
-    freqs = torch.arange(max_positions).float()[:, None] * torch.from_numpy(inv_freq.astype(np.float32))[None, :]
-    return freqs.cos().numpy(), freqs.sin().numpy()
+    from dlite_trt.model.ops import rope_from_inv_freq
+
+    half = inv_freq.shape[0]
+    cos, sin = rope_from_inv_freq(torch.arange(max_positions), torch.from_numpy(inv_freq.astype(np.float32)),
+                                  torch.float32)
+    return cos[:, :half].numpy(), sin[:, :half].numpy()
 
 
 def _constant(model: onnx.ModelProto, name: str) -> np.ndarray:
@@ -150,6 +148,17 @@ def drop_unused_nodes(model: onnx.ModelProto) -> int:
         dropped += len(graph.node) - len(kept)
         del graph.node[:]
         graph.node.extend(kept)
+
+
+def drop_unused_initializers(model: onnx.ModelProto) -> int:
+    """Remove the initializers no node (subgraphs included) and no graph output reads; returns how many."""
+    graph = model.graph
+    read = _read_names(graph.node) | {o.name for o in graph.output}
+    kept = [t for t in graph.initializer if t.name in read]
+    dropped = len(graph.initializer) - len(kept)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return dropped
 
 
 def _read_names(nodes) -> set[str]:

@@ -84,7 +84,7 @@ import onnx.inliner
 from onnx import helper, numpy_helper
 
 from dlite_trt.errors import ConfigError, EngineError
-from dlite_trt.export.cache_attention import pack_query_key_value
+from dlite_trt.export.cache_attention import drop_unused_initializers, pack_query_key_value
 from dlite_trt.export.nbits_levels import (  # noqa: F401 (re-exported: the build reads them here)
     ACCURACY_LEVELS,
     BLOCK_FORMS,
@@ -668,13 +668,11 @@ def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draf
              or not all(i in inits for i in n.input)]
     del graph.node[:]
     graph.node.extend(nodes)
-    used = {i for node in graph.node for i in node.input} | {o.name for o in graph.output}
-    kept = [t for t in graph.initializer if t.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept + list(added.values()))
+    graph.initializer.extend(added.values())
+    pack_query_key_value(model)  # attention "gqa": a layer's stacked q/k/v product read whole, not split
+    drop_unused_initializers(model)  # the replaced weights, the packed Splits' sizes
     if not any(o.domain == CONTRIB_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
-    pack_query_key_value(model)  # attention "gqa": a layer's stacked q/k/v product read whole, not split
     return sum(found.values())
 
 

@@ -115,9 +115,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, T, head_dim] for integer positions [B, T] (rotate-half layout)."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)  # [D/2]
-    freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D]
+    return rope_from_inv_freq(positions, rope_inv_freq(head_dim, theta, scaling, positions.device), dtype)
+
+
+def rope_from_inv_freq(positions: torch.Tensor, inv_freq: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., D] for integer positions [...] and inverse frequencies [D / 2] (rotate-half
+    layout: the two halves equal)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [..., D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -198,9 +204,7 @@ class _CacheAttention(torch.autograd.Function):
                 scale: float):
         b, t = q.shape[:2]
         p, d = past_k.shape[2:]
-        freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]: rope_cos_sin's arithmetic
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        cos, sin = rope_from_inv_freq(positions, inv_freq, q.dtype)  # [B, T, D]
         q = apply_rope(q.reshape(b, t, num_heads, d).transpose(1, 2), cos, sin)  # [B, nH, T, D]
         k = apply_rope(k.reshape(b, t, kv_heads, d).transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, kvH, D]
         pos = past_len[:, None] + torch.arange(t, device=q.device)[None, :]  # [B, T] slots

@@ -111,7 +111,7 @@ class TargetAdapter(nn.Module):
                 present_k.append(pk)
                 present_v.append(pv)
             else:
-                q, k = (t if qk_norm else reshape(t, split_heads) for t in (q, k))
+                q, k = (heads if qk_norm else reshape(heads, split_heads) for heads in (q, k))
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
                 v = reshape(v, split_heads).transpose(1, 2)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
