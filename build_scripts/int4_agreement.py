@@ -53,7 +53,7 @@ def _engine_argmax(engine_dir: str, chunks: list[list[int]]) -> tuple[str, list[
         feed = dummy_inputs(spec, {"batch": 1, "cache": CHUNK + 128, "chunk": CHUNK, "outputs": CHUNK},
                             vocab_size=manifest.target_spec.vocab_size, rng=np.random.default_rng(0))
         feed |= {"input_ids": np.array([ids], np.int64), "past_len": np.zeros(1, np.int64),
-                 "output_index": np.arange(CHUNK)[None], "temperature": np.zeros(1, np.float32)}
+                 "output_index": np.arange(CHUNK)[None]}
         out.append(run_in_place(session, spec, feed)["next_tokens"][0])
     return manifest.weights.describe(manifest.dtype), out
 

@@ -179,34 +179,26 @@ def test_manifest_from_incompatible_version(runner, engine_copy):
                         "Rebuild the engine", "dlite-trt build")
 
 
-def test_older_formats_are_read_where_their_graphs_are_todays(engine_copy):
-    """Format 3 (before "attention"): read as attention "ops", its only kind; a format-3 manifest that
-    names an attention, or whose graphs return the cache buffers ("gqa"), is refused. Format 4: read
-    with attention "ops", refused with "gqa" (its graphs rotated outside the attention)."""
-    import dataclasses
-
+def test_older_formats_are_refused_with_rebuild(engine_copy):
+    """Formats 3-5 had one decode graph that sampled (temperature and uniforms in, for greedy calls
+    too); format 6 splits it into "decode" (greedy) and "decode_sampling", so no earlier engine has
+    today's graphs: each is refused with the fix named, and a format-6 manifest reads back equal."""
     from dlite_trt.engine.manifest import Manifest
-    from dlite_trt.export.contract import engine_contract
 
     data = json.loads((engine_copy / MANIFEST).read_text())
-    assert data["attention"] == "ops" and data["format_version"] == FORMAT_VERSION == 5  # fp32: ops by default
-    with pytest.raises(EngineError, match="engine format 3"):
-        Manifest.from_dict(data | {"format_version": 3}, "m.json")
+    assert data["format_version"] == FORMAT_VERSION == 6 and READ_FORMAT_VERSIONS == (6,)
+    assert set(data["graphs"]) == set(data["contract"]) >= {"decode", "decode_sampling"}
+    assert "temperature" not in [t["name"] for t in data["contract"]["decode"]["inputs"]]
+    for old in (3, 4, 5):
+        with pytest.raises(EngineError, match=rf"engine format {old}.*Rebuild the engine"):
+            Manifest.from_dict(data | {"format_version": old}, "m.json")
     built = Manifest.from_dict(data, "m.json")
-    gqa = dataclasses.replace(built, attention="gqa", contract=engine_contract(
-        built.target_spec, built.draft_config, built.limits, built.dtype, "gqa")).to_dict()
+    assert Manifest.from_dict(built.to_dict(), "m.json") == built
+    # a manifest whose decode graph still takes a temperature (format 5's) does not pass as format 6
+    stale = json.loads(json.dumps(data))
+    stale["contract"]["decode"] = stale["contract"]["decode_sampling"]
     with pytest.raises(EngineError, match="I/O contract does not match"):
-        Manifest.from_dict({k: v for k, v in gqa.items() if k != "attention"} | {"format_version": 3}, "m.json")
-    ops = built.to_dict()
-    old = {k: v for k, v in ops.items() if k != "attention"} | {"format_version": 3}
-    read = Manifest.from_dict(old, "m.json")
-    assert (read.attention, read.format_version) == ("ops", FORMAT_VERSION)
-    assert Manifest.from_dict(read.to_dict(), "m.json") == read  # written back as format 5
-    # format 4: its "ops" graphs are format 5's; its "gqa" graphs (RoPE outside GroupQueryAttention, new
-    # entries returned) are not, and are refused with the fix named
-    assert Manifest.from_dict(ops | {"format_version": 4}, "m.json").attention == "ops"
-    with pytest.raises(EngineError, match=r"engine format 4.*Rebuild the engine"):
-        Manifest.from_dict(gqa | {"format_version": 4}, "m.json")
+        Manifest.from_dict(stale, "m.json")
 
 
 def _edit(data: dict, path: list, value) -> None:

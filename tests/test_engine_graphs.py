@@ -13,6 +13,8 @@ Tolerance tiers used below (fp32 throughout):
 
 from __future__ import annotations
 
+from collections import Counter
+
 import os
 import subprocess
 import sys
@@ -71,8 +73,12 @@ COMBO_IDS = [combo_id(c) for c in COMBOS]
 # The TensorRT lowering is exported again from scratch; three combos cover seeded 0/1, K 3/7 and the
 # draft vocabulary's mapping around the plugin node.
 TRT_COMBOS = [(1, 4), (2, 8), (1, 4, DRAFT_VOCAB)]
-GRAPHS = GRAPH_NAMES  # prefill, step (greedy), prefill_sampling, step_sampling, decode
-DRAFT_GRAPHS = tuple(g for g in GRAPHS if g != "decode")  # the graphs with the draft's LowRankRecurrence node
+def _base(graph: str) -> str:
+    return graph.removesuffix(SAMPLING_SUFFIX)
+
+
+GRAPHS = GRAPH_NAMES  # prefill, step, decode (greedy) and their _sampling variants
+DRAFT_GRAPHS = tuple(g for g in GRAPHS if _base(g) != "decode")  # the graphs with the draft's LowRankRecurrence node
 TEMPERATURES = np.array([0.0, 0.7, 1.3], dtype=np.float32)  # greedy and two sampling temperatures
 FLOAT_ATOL = 1e-4  # fp32 tier, see the module docstring
 
@@ -171,10 +177,6 @@ def engine(request, engines) -> Engine:
 
 # ---------------------------------------------------------------------------------------------
 # inputs
-
-
-def _base(graph: str) -> str:
-    return graph.removesuffix(SAMPLING_SUFFIX)
 
 
 def _parity_feeds(engine: Engine, graph: str) -> list[tuple[dict[str, int], dict[str, np.ndarray]]]:
@@ -454,6 +456,19 @@ def test_no_control_flow(engine: Engine, graph: str) -> None:
     bad = sorted({n.op_type for n in _all_nodes(model)
                   if n.op_type in CONTROL_FLOW_OPS or n.op_type.startswith(("Sequence", "Optional"))})
     assert not bad, f"{graph} contains {bad}"
+
+
+def test_greedy_decode_runs_no_sampler(engine: Engine) -> None:
+    """The greedy decode graph is the target and an argmax: its sampling variant has the sampler's
+    softmax over the vocabulary and its two inverse-CDF CumSums besides (format 6 split them; the
+    attention's own Softmax is in both), and only it takes a temperature."""
+    ops = {g: Counter(n.op_type for n in onnx.load(str(engine.onnx_path(g)), load_external_data=False).graph.node)
+           for g in ("decode", "decode_sampling")}
+    assert ops["decode"]["ArgMax"] == 1
+    assert ops["decode_sampling"]["Softmax"] == ops["decode"]["Softmax"] + 1
+    assert ops["decode_sampling"]["CumSum"] == ops["decode"]["CumSum"] + 2
+    assert "temperature" not in engine.contract["decode"].input_names
+    assert "temperature" in engine.contract["decode_sampling"].input_names
 
 
 @pytest.mark.parametrize("graph", GRAPHS_STRUCTURE)

@@ -134,7 +134,6 @@ def decode_feed(manifest: Any, sizes: dict[str, int], width: int, ctx: int, rng:
     feed = dummy_inputs(manifest.contract["decode"], sizes | {"chunk": width, "outputs": width},
                         vocab_size=manifest.target_spec.vocab_size, rng=rng)
     feed["output_index"][:] = np.arange(width)
-    feed["temperature"][:] = 0.0
     feed["past_len"][:] = ctx
     return feed
 

@@ -33,11 +33,11 @@ from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TargetSource
 
 MANIFEST = "manifest.json"
 FORMAT = "dlite-trt-engine"
-FORMAT_VERSION = 5  # bump when the graph I/O or directory layout changes incompatibly
-# 4: "attention" (its "gqa" graphs return the cache buffers they write); a format-3 engine is read as
-# attention "ops", the only one it has. 5: "gqa" graphs rotate inside GroupQueryAttention and return
-# no new_key / new_value; a format-4 engine is read where its attention is "ops" (the same graphs)
-READ_FORMAT_VERSIONS = (3, 4, FORMAT_VERSION)
+FORMAT_VERSION = 6  # bump when the graph I/O or directory layout changes incompatibly
+# 4: "attention" (its "gqa" graphs return the cache buffers they write). 5: "gqa" graphs rotate inside
+# GroupQueryAttention and return no new_key / new_value. 6: "decode" is greedy (no temperature or
+# uniforms) and "decode_sampling" samples, as prefill and step; every earlier engine lacks that graph
+READ_FORMAT_VERSIONS = (FORMAT_VERSION,)
 GRAPH_DIR = "graphs"  # graphs/{name}.onnx, graphs/{name}.ort.onnx, graphs/weights.bin
 HASH_AT_LOAD_MAX_BYTES = 64 << 20  # files up to this size are hashed on every load; larger ones on verify
 BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16"), "tensorrt": ("fp32", "fp16", "bf16")}  # what each builds
@@ -247,12 +247,11 @@ class Manifest:
             if data.get("format") != FORMAT:
                 raise EngineError(f"{where} is not a dlite-trt engine manifest (format={data.get('format')!r}).")
             version = data.get("format_version")
-            if version not in READ_FORMAT_VERSIONS or (version < 4) == ("attention" in data) or (
-                    version < 5 and data.get("attention", "ops") != "ops"):
+            if version not in READ_FORMAT_VERSIONS:
                 raise EngineError(
                     f"{where} was written by dlite-trt {data.get('dlite_trt_version', '?')} in engine format "
-                    f"{version}; this dlite-trt {__version__} reads formats {READ_FORMAT_VERSIONS} (format 4 with "
-                    "attention \"ops\" only). Rebuild the engine with `dlite-trt build`.")
+                    f"{version}; this dlite-trt {__version__} reads formats {READ_FORMAT_VERSIONS}. Rebuild the engine "
+                    "with `dlite-trt build`.")
             manifest = cls(
                 backend=data["backend"], dtype=data["dtype"], limits=EngineLimits(**data["limits"]),
                 target_name=data["target"]["name"],
@@ -265,9 +264,7 @@ class Manifest:
                 files=dict(data["files"]), versions=dict(data["versions"]), build=dict(data["build"]),
                 # absent: an engine built before weight formats, all float
                 weights=WeightFormat.from_dict(data["weights"], where) if "weights" in data else WeightFormat(),
-                attention=data.get("attention", "ops"),  # format 3: built before "gqa"
-                # a format-3 engine is a format-4 one with attention "ops" (written back as such)
-                dlite_trt_version=data["dlite_trt_version"], format_version=FORMAT_VERSION)
+                attention=data["attention"], dlite_trt_version=data["dlite_trt_version"], format_version=version)
             manifest.check_consistent(where)
             if data["draft"].get("draft_vocab_size", manifest.draft_config.draft_vocab_size) \
                     != manifest.draft_config.draft_vocab_size:

@@ -124,7 +124,10 @@ class DecodeGraph(_EngineGraph):
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = self.named(inputs)
         out = self.run_target(x, x["input_ids"], x["output_index"])  # logits [B, R, V]
-        next_tokens = sample_from_logits(out.logits, x["temperature"], x["uniforms"])  # [B, R]
+        if self.sampling:
+            next_tokens = sample_from_logits(out.logits, x["temperature"], x["uniforms"])  # [B, R]
+        else:
+            next_tokens = out.logits.argmax(dim=-1)
         return next_tokens, *self.cache_outputs(out)
 
 

@@ -56,14 +56,25 @@ def padded_ids(rows: Sequence[Sequence[int]], minimum: int = MIN_CALL_TOKENS) ->
     return ids
 
 
-def every_output(ids: np.ndarray, uniforms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A decode call's output_index and uniforms [B, T] for every position of ``ids`` [B, T], the
-    padding's too (its outputs are dropped; uniforms [B, W <= T] padded with zeros): the LM head
-    then runs on as many rows as the call has, the rows a verify's head runs on, not a 1-row product."""
+def every_output(ids: np.ndarray) -> np.ndarray:
+    """A decode call's output_index [B, T] for every position of ``ids`` [B, T], the padding's too (its
+    outputs are dropped): the LM head then runs on as many rows as the call has, the rows a verify's
+    head runs on, not a 1-row product."""
     b, t = ids.shape
-    wide = np.zeros((b, t), np.float32)
+    return np.broadcast_to(np.arange(t, dtype=np.int64), (b, t))
+
+
+def decode_graph(temperature: np.ndarray) -> str:
+    """The decode graph for rows of these temperatures [B]: ``decode`` (greedy, an argmax) when every
+    row is greedy, else ``decode_sampling`` (temperature and uniforms per row; greedy rows take the argmax)."""
+    return "decode" + SAMPLING_SUFFIX * (not all(is_greedy(float(t)) for t in temperature))
+
+
+def padded_uniforms(uniforms: np.ndarray, width: int) -> np.ndarray:
+    """uniforms [B, W <= width] padded with zeros to [B, width] (a decode call's padding positions)."""
+    wide = np.zeros((uniforms.shape[0], width), np.float32)
     wide[:, : uniforms.shape[1]] = uniforms
-    return np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)), wide
+    return wide
 
 
 @dataclass(frozen=True)
@@ -190,7 +201,7 @@ class EngineSession(SessionBase):
         out = {}
         for chunk in self._chunks():
             call = {"input_ids": chunk.ids, "past_len": chunk.past_len, **feeds}
-            if graph != "decode":  # prefill, prefill_sampling
+            if not graph.startswith("decode"):  # prefill, prefill_sampling
                 call["chunk_len"] = chunk.chunk_len
             else:
                 call["output_index"] = (chunk.chunk_len - 1)[:, None]
@@ -290,35 +301,39 @@ class EngineSession(SessionBase):
         return super()._verify_proposals(proposals, params, uniforms)
 
     def _target_first(self, params: SamplingParams, uniforms) -> list[int]:
-        b = self.batch_size
-        out = self._prefill("decode", {"temperature": np.full(b, params.temperature, np.float32),
-                                       "uniforms": _host(uniforms, b, 1)})
-        return out["next_tokens"][:, 0].tolist()
+        temperature = self._temperature(params)
+        graph = decode_graph(temperature)
+        feeds = {} if graph == "decode" else {"temperature": temperature, "uniforms": _host(uniforms, self.batch_size, 1)}
+        return self._prefill(graph, feeds)["next_tokens"][:, 0].tolist()
 
     def _target_next(self, tokens: list[int], pos: list[int], params: SamplingParams, uniforms) -> list[int]:
-        b = self.batch_size
-        ids = padded_ids([[t] for t in tokens], self.min_tokens)
-        index, u = every_output(ids, _host(uniforms, b, 1))
-        out = self._call("decode", {
-            "input_ids": ids, "past_len": np.array(pos, np.int64), "output_index": index,
-            "temperature": np.full(b, params.temperature, np.float32), "uniforms": u}, pos, [int(a) for a in self._active])
-        return out["next_tokens"][:, 0].tolist()
+        return [row[0] for row in self._decode([[t] for t in tokens], pos, [int(a) for a in self._active],
+                                               params, uniforms)]
 
+    def _target_verify(self, fed: list[list[int]], pos: list[int], params: SamplingParams,
+                       uniforms) -> list[list[int]]:
+        return self._decode(fed, pos, self._padded(fed)[1], params, uniforms)
+
+    def _decode(self, fed: list[list[int]], pos: list[int], count: list[int], params: SamplingParams,
+                uniforms) -> list[list[int]]:
+        """One decode call of fed[b] at positions pos[b].. (storing count[b] entries): the target's
+        token after each fed token."""
+        ids = padded_ids(fed, self.min_tokens)
+        temperature = self._temperature(params)
+        graph = decode_graph(temperature)
+        feeds = {"input_ids": ids, "past_len": np.array(pos, np.int64), "output_index": every_output(ids)}
+        if graph != "decode":
+            u = _host(uniforms, len(fed), max(map(len, fed)))  # one per fed token's next
+            feeds |= {"temperature": temperature, "uniforms": padded_uniforms(u, ids.shape[1])}
+        out = self._call(graph, feeds, pos, count)
+        return [out["next_tokens"][row, : len(toks)].tolist() for row, toks in enumerate(fed)]
+
+    def _temperature(self, params: SamplingParams) -> np.ndarray:
+        return np.full(self.batch_size, params.temperature, np.float32)
 
     def max_verify_tokens(self) -> int:
         # the KV capacity reserved past the longest sequence, and at most one decode chunk
         return min(self.gen.cfg.block_size, self.gen.manifest.limits.max_chunk)
-
-    def _target_verify(self, fed: list[list[int]], pos: list[int], params: SamplingParams,
-                       uniforms) -> list[list[int]]:
-        _, count = self._padded(fed)
-        ids = padded_ids(fed, self.min_tokens)
-        b, width = len(fed), max(map(len, fed))  # the outputs wanted: every fed token's next
-        index, u = every_output(ids, _host(uniforms, b, width))
-        out = self._call("decode", {
-            "input_ids": ids, "past_len": np.array(pos, np.int64), "output_index": index,
-            "temperature": np.full(b, params.temperature, np.float32), "uniforms": u}, pos, count)
-        return [out["next_tokens"][row, : len(toks)].tolist() for row, toks in enumerate(fed)]
 
 
 def _host(uniforms, *shape: int) -> np.ndarray:

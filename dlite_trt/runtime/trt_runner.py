@@ -37,7 +37,7 @@ from dlite_trt.runtime.kv_cache import KVCache
 from dlite_trt.runtime.runner import RunnerBase
 
 TENSOR_ALIGNMENT = 256  # bytes: IExecutionContext.set_tensor_address takes addresses aligned to this
-GRAPHED_CALLS = frozenset({"step", "step_sampling", "decode"})  # calls that repeat with the same shapes
+GRAPHED_CALLS = frozenset({"step", "step_sampling", "decode", "decode_sampling"})  # calls that repeat with the same shapes
 
 
 class TrtRunner(RunnerBase):

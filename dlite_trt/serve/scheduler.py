@@ -33,7 +33,15 @@ import torch
 
 from dlite_trt.errors import DLiteError
 from dlite_trt.export.contract import SAMPLING_SUFFIX, cache_capacity_max
-from dlite_trt.runtime.engine import EngineGenerator, EngineSession, every_output, min_call_tokens, padded_ids
+from dlite_trt.runtime.engine import (
+    EngineGenerator,
+    EngineSession,
+    decode_graph,
+    every_output,
+    min_call_tokens,
+    padded_ids,
+    padded_uniforms,
+)
 from dlite_trt.runtime.kv_cache import GRANULE, KVCache
 from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig
 from dlite_trt.runtime.sampling import is_greedy
@@ -491,7 +499,10 @@ class _DecodeCalls:
                 row.draw(("uniforms", (1, 1)))
         session = EngineSession(self.sched.generator, [r.tokens for r in rows], cache=view)
         session.cache_len = [r.cache_len for r in rows]
-        out = session._prefill("decode", {"temperature": _temperatures(rows), **_stacked(rows, ("uniforms",))})
+        temperature = _temperatures(rows)
+        graph = decode_graph(temperature)
+        feeds = {} if graph == "decode" else {"temperature": temperature, **_stacked(rows, ("uniforms",))}
+        out = session._prefill(graph, feeds)
         out = _outputs(out)
         results = []
         for i, row in enumerate(rows):
@@ -512,15 +523,17 @@ class _DecodeCalls:
             if not row.draws:
                 row.draw(("uniforms", (1, len(f))))
         ids = padded_ids(fed, self.min_tokens)  # the kernels a verify uses (runtime.engine.MIN_CALL_TOKENS)
-        uniforms = np.zeros((len(rows), width), np.float32)
-        for i, (row, f) in enumerate(zip(rows, fed, strict=True)):
-            uniforms[i, : len(f)] = row.draws["uniforms"][0]
         past_len = np.array([len(r.tokens) - 1 for r in rows], np.int64)
         view.reserve(int(past_len.max()) + ids.shape[1], view.capacity)
-        index, uniforms = every_output(ids, uniforms)
-        out = self.sched.counter.infer("decode", {
-            "input_ids": ids, "past_len": past_len, "temperature": _temperatures(rows), "uniforms": uniforms,
-            "output_index": index}, view)
+        feeds = {"input_ids": ids, "past_len": past_len, "output_index": every_output(ids)}
+        temperature = _temperatures(rows)
+        graph = decode_graph(temperature)
+        if graph != "decode":
+            uniforms = np.zeros((len(rows), width), np.float32)
+            for i, (row, f) in enumerate(zip(rows, fed, strict=True)):
+                uniforms[i, : len(f)] = row.draws["uniforms"][0]
+            feeds |= {"temperature": temperature, "uniforms": padded_uniforms(uniforms, ids.shape[1])}
+        out = self.sched.counter.infer(graph, feeds, view)
         out = _outputs(out)
         view.store(out, past_len.tolist(), [len(f) for f in fed])
         results = []
