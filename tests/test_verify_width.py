@@ -93,6 +93,29 @@ def test_each_batch_size_gets_its_own_width_down_to_plain_decoding():
         verify_width.choose(batch_ms[1][0], curve, batch_ms={2: ({1: 1.0}, 0.0)})
 
 
+def test_a_session_takes_the_width_of_the_nearest_calibrated_context():
+    """Batch 1 with a context: the width calibrated at the context nearest it on a log scale (the
+    draft's cost is flat while a decode call grows, so short contexts verify fewer drafts); other
+    batch sizes, or no context, keep the batch table; a file without contexts behaves as before."""
+    curve = [0.4, 0.2, 0.1]
+    context_ms = {256: ({1: 1.25, 2: 1.5, 3: 1.8}, 1.0),  # 1.12, 1.07, 0.944 tokens/ms; decode 1.0: k = 1
+                  2048: ({1: 2.2, 2: 2.3, 3: 2.5}, 2.0)}  # 0.636, 0.696, 0.68; decode 0.5: k = 2
+    batch_ms = {1: ({1: 1.6, 2: 1.7, 3: 2.0}, 1.3), 2: ({1: 3.0, 2: 3.5, 3: 4.0}, 2.0)}
+    choice = verify_width.choose(batch_ms[1][0], curve, decode_ms=1.3, batch_ms=batch_ms, context_ms=context_ms)
+    assert {c: w.drafts for c, w in choice.by_context.items()} == {256: 1, 2048: 2}
+    # 724 = sqrt(256 * 2048) is the boundary
+    assert [choice.drafts_for(1, context=c) for c in (0, 100, 256, 700, 750, 2048, 9000)] == [1, 1, 1, 1, 2, 2, 2]
+    assert choice.drafts_for(1) == choice.by_batch[1].drafts == 2  # no context: the batch table
+    assert choice.drafts_for(2, context=100) == choice.by_batch[2].drafts  # batch > 1: the batch table
+    slow = verify_width.choose({1: 2.0}, [0.3], context_ms={256: ({1: 2.0}, 1.0)})  # 0.65 < 1.0 tokens/ms
+    assert slow.drafts_for(1, context=300) == 0 and slow.drafts_for(1, context=300, drafting=True) == 1
+    assert verify_width.WidthChoice.from_dict(json.loads(json.dumps(choice.to_dict()))) == choice
+    old = {k: v for k, v in choice.to_dict().items() if k != "by_context"}
+    assert verify_width.WidthChoice.from_dict(old).drafts_for(1, context=100) == 2
+    with pytest.raises(DLiteError, match="context 0"):
+        verify_width.choose({1: 1.0}, [0.5], context_ms={0: ({1: 1.0}, 1.0)})
+
+
 @pytest.fixture(scope="module")
 def bigram(tmp_path_factory):
     hf, spec = near_bigram_target(64, seed=11)
@@ -114,6 +137,26 @@ def test_every_width_is_lossless(bigram):
         rows = [(s.draft_tokens[r], s.accepted[r]) for s in result.steps for r in range(2) if s.accepted[r] is not None]
         assert {len(d) for d, _ in rows} == {k}
         assert max(n for _, n in rows) == k
+
+
+def test_a_session_verifies_the_width_of_its_context(bigram):
+    """A calibrated choice whose width grows with the context: each greedy step verifies the width
+    of the context it runs at (so the width changes within one generation), losslessly."""
+    hf, engine, _ = bigram
+    prompt = [3, 5, 7, 9, 11, 2, 4, 6, 8, 10, 12, 14]
+    curve = [0.5] * engine.cfg.num_proposals
+    ms = {k: 1.0 for k in range(1, engine.cfg.num_proposals + 1)}
+    choice = verify_width.choose(ms, curve, decode_ms=1.0, context_ms={8: ({**ms, 1: 0.1}, 1.0), 32: (ms, 1.0)})
+    assert {c: w.drafts for c, w in choice.by_context.items()} == {8: 1, 32: engine.cfg.num_proposals}
+    gen = EngineGenerator(engine.runner, engine.manifest, choice.drafts, choice)
+    session = gen.session([prompt])
+    result = session.generate(SamplingParams(max_new_tokens=40))
+    assert result.output_ids == [hf_greedy(hf, prompt, 40)]
+    context, widths = len(prompt), []
+    for step in result.steps:  # the anchor's position is the context a step runs at
+        widths.append((len(step.draft_tokens[0]), choice.drafts_for(1, drafting=True, context=context)))
+        context += step.accepted[0] + 1
+    assert all(got == want for got, want in widths) and {w for w, _ in widths} == {1, engine.cfg.num_proposals}
 
 
 def test_sampling_ignores_the_width(bigram):
@@ -143,6 +186,7 @@ def test_calibration_file_is_used_and_checked(bigram, tmp_path):
     assert sorted(choice.by_batch) == sorted({*batches, engine.manifest.limits.max_batch})
     assert all(set(w.step_ms) == set(choice.step_ms) and w.decode_ms > 0 for w in choice.by_batch.values())
     assert choice.by_batch[1].step_ms == choice.step_ms
+    assert 32 in choice.by_context and choice.by_context[32] == choice.by_batch[1] and len(choice.by_context) >= 2
     forced = verify_width.WidthChoice(2, choice.curve, choice.step_ms, choice.decode_ms)
     path = verify_width.save(engine_dir, forced)
     try:

@@ -9,7 +9,8 @@ Two measurements, each on the engine itself:
   after ``context`` cached tokens, in bursts of one shape (as decoding runs), bursts
   interleaved across widths so load bursts on a shared machine hit every width alike;
   the same at each batch size up to the engine's --max-batch, where the server's scheduler
-  picks its width per batch, plain decoding (k = 0) included.
+  picks its width per batch, plain decoding (k = 0) included, and at batch 1 after a short and a
+  long context (``CONTEXTS``), where a DLite session picks its width per step by its length.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dlite_trt.runtime.session import SamplingParams
 
 CALIBRATION_SEED = 1000  # the bench's workloads use seed 0: other functions, the same kind of text
 CODE_PROMPT_TOKENS = 384
+CONTEXTS = (256, 2048)  # besides ``context``: batch-1 costs after this many cached tokens (within the engine)
 
 
 def default_prompts(tokenizer: Any, *, code: int = 2, requests: int = 4) -> list[list[int]]:
@@ -104,10 +106,14 @@ def calibrate(gen: EngineGenerator, prompts: Sequence[Sequence[int]], *, new_tok
     curve = verify_width.acceptance_curve(acceptance(gen, prompts, new_tokens), gen.cfg.num_proposals)
     batches = batch_sizes(gen.manifest.limits.max_batch)
     costs = call_ms(gen, context, runs, batches)
+    contexts = sorted({min(c, longest - 2 * gen.cfg.block_size) for c in CONTEXTS} - {context})
+    by_context = {context: costs[1]} | {c: call_ms(gen, c, runs)[1] for c in contexts}
     source = (f"{len(prompts)} prompts x {new_tokens} new tokens at full width; calls after {context} cached "
-              f"tokens, batch sizes {', '.join(map(str, batches))}, medians of {max(1, runs // 10) * 10}")
+              f"tokens, batch sizes {', '.join(map(str, batches))}, and at batch 1 after "
+              f"{', '.join(map(str, sorted(by_context)))}; medians of {max(1, runs // 10) * 10}")
     step_ms, decode_ms = costs[1]
-    return verify_width.choose(step_ms, curve, decode_ms=decode_ms, source=source, batch_ms=costs)
+    return verify_width.choose(step_ms, curve, decode_ms=decode_ms, source=source, batch_ms=costs,
+                               context_ms=by_context)
 
 
 def describe(choice: verify_width.WidthChoice) -> str:
@@ -125,6 +131,12 @@ def describe(choice: verify_width.WidthChoice) -> str:
             gain = (verify_width.expected_tokens(choice.curve, width.drafts) / width.step_ms[width.drafts]
                     * width.decode_ms) if width.drafts else 1.0
             lines.append(f"  batch {batch:3d}: k = {width.drafts}  ({gain:.2f}x plain decoding predicted)")
+    if choice.by_context:
+        lines.append("  a DLite session's steps, per context (batch 1; the calibrated context nearest its length):")
+        for context, width in sorted(choice.by_context.items()):
+            k = choice.drafts_for(1, drafting=True, context=context)
+            gain = verify_width.expected_tokens(choice.curve, k) / width.step_ms[k] * width.decode_ms
+            lines.append(f"  after {context:5d} tokens: k = {k}  ({gain:.2f}x plain decoding predicted)")
     return "\n".join(lines)
 
 

@@ -107,11 +107,14 @@ class EngineGenerator(GeneratorBase):
                               f"{most} tokens a step), got {k!r}.")
         return k
 
-    def greedy_drafts(self, batch: int, *, drafting: bool = True) -> int:
+    def greedy_drafts(self, batch: int, *, drafting: bool = True, context: int | None = None) -> int:
         """Drafts a greedy step of ``batch`` sequences verifies: the engine's calibrated width for that
-        batch size (``drafting``: at least 1, the step drafts; else 0 where plain decoding pays more),
-        or ``verify_drafts`` where that was given."""
-        return self.verify_drafts if self.widths is None else self.widths.drafts_for(batch, drafting=drafting)
+        batch size (and at batch 1 for that ``context``, the longest row's cached tokens; ``drafting``:
+        at least 1, the step drafts; else 0 where plain decoding pays more), or ``verify_drafts``
+        where that was given."""
+        if self.widths is None:
+            return self.verify_drafts
+        return self.widths.drafts_for(batch, drafting=drafting, context=context)
 
     def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:
         return EngineSession(self, prompts)
@@ -253,7 +256,6 @@ class EngineSession(SessionBase):
         carried = {"draft_logits": out["next_draft_logits"]} if sampling else {}
         yield StepEvent(tuple(self._emit(row, [int(block[row, 0])], params) for row in range(b)), None)
         engine_before = self.cache.engine_seconds
-        width = k + 1 if sampling else self.gen.greedy_drafts(b) + 1  # a greedy step verifies d_1..d_k
         while any(self._active):
             most = min(self.k, self.max_verify_tokens() - 1)  # a skip step verifies on the decode graph
             proposals = None if lookup is None else \
@@ -268,6 +270,8 @@ class EngineSession(SessionBase):
                 continue
             with timer.time("step"):
                 past_len = np.array(self.cache_len, np.int64)  # = anchor position of every active row
+                # a greedy step verifies d_1..d_k, k calibrated for this batch and context
+                width = k + 1 if sampling else self.gen.greedy_drafts(b, context=int(past_len.max())) + 1
                 block = np.ascontiguousarray(block[:, :width]) if proposals is None else \
                     self._looked_up(block, width, proposals)
                 feeds = {"block": block, "past_len": past_len, **prefix, **carried,

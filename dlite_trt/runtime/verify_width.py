@@ -23,12 +23,19 @@ call at each batch size the engine serves (``by_batch``), and picks k in 0..K th
 plain decoding (the target's decode graph, no draft). The OpenAI server's scheduler runs the k
 of the batch it is running (greedy batches only: a sampled row's draws must not depend on what
 it is batched with); the batch-1 ``drafts`` (>= 1) is what a DLite session verifies.
+
+The draft's cost is about the same at every context while a decode call grows with it, so a width
+that pays after 1,024 cached tokens may not after 256 (SmolLM2 int4 on 2 cores: calibrated at
+1,024 to verify 2 drafts, a chat step then cost 1.50x a decode step for 1.50 tokens). Calibration
+also measures the batch-1 costs after a short and a long context (``by_context``), and a DLite
+session verifies, each step, the width of the calibrated context nearest its own (log scale).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,16 +107,21 @@ class WidthChoice:
     decode_ms: float | None = None  # a one-token decode call, for the predicted speedup
     source: str = ""  # what the figures were measured on
     by_batch: Mapping[int, BatchWidth] = field(default_factory=dict)  # batch size -> its width (0..K)
+    by_context: Mapping[int, BatchWidth] = field(default_factory=dict)  # cached tokens -> batch 1's width there
 
-    def drafts_for(self, batch: int, *, drafting: bool = False) -> int:
-        """Drafts a greedy step of ``batch`` sequences verifies, 0..K: the entry of the smallest
-        calibrated batch size at least ``batch`` (the largest one past them); ``drafts`` without a
-        table (a file from before batch sizes were calibrated). ``drafting``: a step that drafts
-        anyway (a DLite session), so the best k >= 1 there."""
-        if not self.by_batch:
+    def drafts_for(self, batch: int, *, drafting: bool = False, context: int | None = None) -> int:
+        """Drafts a greedy step of ``batch`` sequences verifies, 0..K: at batch 1 with ``context``
+        (the longest sequence's cached tokens) the entry of the calibrated context nearest it (log
+        scale); else the entry of the smallest calibrated batch size at least ``batch`` (the largest
+        one past them); ``drafts`` without a table (a file from before batch sizes were calibrated).
+        ``drafting``: a step that drafts anyway (a DLite session), so the best k >= 1 there."""
+        if batch == 1 and context is not None and self.by_context:
+            width = self.by_context[min(self.by_context, key=lambda c: abs(math.log(c) - math.log(max(context, 1))))]
+        elif self.by_batch:
+            sizes = sorted(self.by_batch)
+            width = self.by_batch[next((b for b in sizes if b >= batch), sizes[-1])]
+        else:
             return self.drafts
-        sizes = sorted(self.by_batch)
-        width = self.by_batch[next((b for b in sizes if b >= batch), sizes[-1])]
         if width.drafts or not drafting:
             return width.drafts
         return best_drafting_width(self.curve, width.step_ms)
@@ -129,7 +141,8 @@ class WidthChoice:
         return {"drafts": self.drafts, "acceptance_at_least": list(self.curve),
                 "step_ms": {str(k): v for k, v in sorted(self.step_ms.items())}, "decode_ms": self.decode_ms,
                 "source": self.source, "rows": {str(k): v for k, v in self.rows().items()},
-                "by_batch": {str(b): w.to_dict() for b, w in sorted(self.by_batch.items())}}
+                "by_batch": {str(b): w.to_dict() for b, w in sorted(self.by_batch.items())},
+                "by_context": {str(c): w.to_dict() for c, w in sorted(self.by_context.items())}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WidthChoice:
@@ -138,23 +151,29 @@ class WidthChoice:
         return cls(_int(data["drafts"]), tuple(float(p) for p in data["acceptance_at_least"]),
                    {int(k): float(v) for k, v in data["step_ms"].items()},
                    None if data.get("decode_ms") is None else float(data["decode_ms"]), str(data.get("source", "")),
-                   {int(b): BatchWidth.from_dict(w) for b, w in data.get("by_batch", {}).items()})
+                   {int(b): BatchWidth.from_dict(w) for b, w in data.get("by_batch", {}).items()},
+                   {int(c): BatchWidth.from_dict(w) for c, w in data.get("by_context", {}).items()})
+
+
+Costs = Mapping[int, tuple[Mapping[int, float], float]]  # batch size or context -> (k -> step ms, decode ms)
 
 
 def choose(step_ms: Mapping[int, float], curve: Sequence[float], *, decode_ms: float | None = None,
-           source: str = "", batch_ms: Mapping[int, tuple[Mapping[int, float], float]] | None = None) -> WidthChoice:
+           source: str = "", batch_ms: Costs | None = None, context_ms: Costs | None = None) -> WidthChoice:
     """The k of ``step_ms`` (k -> cost) that maximises expected tokens per step / cost; ties go to the
     larger k. ``batch_ms`` (batch size -> (step_ms, decode_ms) there) adds each batch size's width
-    in 0..K (``speculation_pays``)."""
-    for costs in [step_ms, *(ms for ms, _ in (batch_ms or {}).values())]:
-        _check_costs(costs, len(curve))
-    best = best_drafting_width(curve, step_ms)
-    by_batch = {}
-    for batch, (ms, dec) in sorted((batch_ms or {}).items()):
-        if not batch >= 1 or not dec > 0:
-            raise DLiteError(f"batch {batch}: batch sizes must be >= 1 and decode costs positive, got {dec}.")
-        by_batch[batch] = BatchWidth(speculation_pays(curve, ms, dec), dict(ms), dec)
-    return WidthChoice(best, tuple(curve), dict(step_ms), decode_ms, source, by_batch)
+    in 0..K (``speculation_pays``), ``context_ms`` (cached tokens -> the same at batch 1) each context's."""
+    tables = {}
+    for what, given in (("batch", batch_ms), ("context", context_ms)):
+        tables[what] = {}
+        for key, (ms, dec) in sorted((given or {}).items()):
+            _check_costs(ms, len(curve))
+            if not key >= 1 or not dec > 0:
+                raise DLiteError(f"{what} {key}: {what}s must be >= 1 and decode costs positive, got {dec}.")
+            tables[what][key] = BatchWidth(speculation_pays(curve, ms, dec), dict(ms), dec)
+    _check_costs(step_ms, len(curve))
+    return WidthChoice(best_drafting_width(curve, step_ms), tuple(curve), dict(step_ms), decode_ms, source,
+                       tables["batch"], tables["context"])
 
 
 def _check_costs(step_ms: Mapping[int, float], most: int) -> None:
@@ -186,7 +205,7 @@ def load(engine_dir: Path, max_drafts: int) -> WidthChoice | None:
         raise EngineError(f"{path} is corrupt ({exc!r}); delete it and run `dlite-trt calibrate --engine "
                           f"{engine_dir}`.") from exc
     if not 1 <= choice.drafts <= max_drafts or len(choice.curve) != max_drafts or \
-            any(not 0 <= w.drafts <= max_drafts for w in choice.by_batch.values()):
+            any(not 0 <= w.drafts <= max_drafts for w in [*choice.by_batch.values(), *choice.by_context.values()]):
         raise EngineError(f"{path} is for a draft of {len(choice.curve)} proposals (chose {choice.drafts}), this "
                           f"engine's draft makes {max_drafts}; run `dlite-trt calibrate --engine {engine_dir}`.")
     return choice
