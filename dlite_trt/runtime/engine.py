@@ -11,7 +11,7 @@ logits), stores the accepted KV entries, and emits the accepted tokens; everythi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,17 +64,13 @@ def every_output(ids: np.ndarray) -> np.ndarray:
     return np.broadcast_to(np.arange(t, dtype=np.int64), (b, t))
 
 
-def decode_graph(temperature: np.ndarray) -> str:
-    """The decode graph for rows of these temperatures [B]: ``decode`` (greedy, an argmax) when every
-    row is greedy, else ``decode_sampling`` (temperature and uniforms per row; greedy rows take the argmax)."""
-    return "decode" + SAMPLING_SUFFIX * (not all(is_greedy(float(t)) for t in temperature))
-
-
-def padded_uniforms(uniforms: np.ndarray, width: int) -> np.ndarray:
-    """uniforms [B, W <= width] padded with zeros to [B, width] (a decode call's padding positions)."""
-    wide = np.zeros((uniforms.shape[0], width), np.float32)
-    wide[:, : uniforms.shape[1]] = uniforms
-    return wide
+def decode_inputs(temperature: np.ndarray, uniforms: Callable[[], np.ndarray]) -> tuple[str, dict[str, np.ndarray]]:
+    """The decode graph for rows of these temperatures [B] and its sampling inputs: ``decode``
+    (greedy, an argmax) and none when every row is greedy, else ``decode_sampling`` with the
+    temperatures and ``uniforms()`` [B, T] (drawn only then; greedy rows take the argmax)."""
+    if all(is_greedy(float(t)) for t in temperature):
+        return "decode", {}
+    return "decode" + SAMPLING_SUFFIX, {"temperature": temperature, "uniforms": uniforms()}
 
 
 @dataclass(frozen=True)
@@ -305,9 +301,7 @@ class EngineSession(SessionBase):
         return super()._verify_proposals(proposals, params, uniforms)
 
     def _target_first(self, params: SamplingParams, uniforms) -> list[int]:
-        temperature = self._temperature(params)
-        graph = decode_graph(temperature)
-        feeds = {} if graph == "decode" else {"temperature": temperature, "uniforms": _host(uniforms, self.batch_size, 1)}
+        graph, feeds = decode_inputs(self._temperature(params), lambda: _host(uniforms, self.batch_size, 1))
         return self._prefill(graph, feeds)["next_tokens"][:, 0].tolist()
 
     def _target_next(self, tokens: list[int], pos: list[int], params: SamplingParams, uniforms) -> list[int]:
@@ -323,13 +317,15 @@ class EngineSession(SessionBase):
         """One decode call of fed[b] at positions pos[b].. (storing count[b] entries): the target's
         token after each fed token."""
         ids = padded_ids(fed, self.min_tokens)
-        temperature = self._temperature(params)
-        graph = decode_graph(temperature)
+
+        def padded() -> np.ndarray:  # one per fed token's next, zeros at the padding
+            wide = np.zeros(ids.shape, np.float32)
+            wide[:, : max(map(len, fed))] = _host(uniforms, len(fed), max(map(len, fed)))
+            return wide
+
+        graph, sampling = decode_inputs(self._temperature(params), padded)
         feeds = {"input_ids": ids, "past_len": np.array(pos, np.int64), "output_index": every_output(ids)}
-        if graph != "decode":
-            u = _host(uniforms, len(fed), max(map(len, fed)))  # one per fed token's next
-            feeds |= {"temperature": temperature, "uniforms": padded_uniforms(u, ids.shape[1])}
-        out = self._call(graph, feeds, pos, count)
+        out = self._call(graph, feeds | sampling, pos, count)
         return [out["next_tokens"][row, : len(toks)].tolist() for row, toks in enumerate(fed)]
 
     def _temperature(self, params: SamplingParams) -> np.ndarray:
@@ -341,7 +337,7 @@ class EngineSession(SessionBase):
 
 
 def _host(uniforms, *shape: int) -> np.ndarray:
-    """Uniforms as a float32 array (zeros when greedy: the graphs take them as inputs regardless)."""
+    """Uniforms as a float32 array (zeros when the run is greedy: ``uniforms`` then draws nothing)."""
     u = uniforms(*shape)
     return np.zeros(shape, np.float32) if u is None else u.numpy()
 

@@ -36,11 +36,10 @@ from dlite_trt.export.contract import SAMPLING_SUFFIX, cache_capacity_max
 from dlite_trt.runtime.engine import (
     EngineGenerator,
     EngineSession,
-    decode_graph,
+    decode_inputs,
     every_output,
     min_call_tokens,
     padded_ids,
-    padded_uniforms,
 )
 from dlite_trt.runtime.kv_cache import GRANULE, KVCache
 from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig
@@ -499,9 +498,7 @@ class _DecodeCalls:
                 row.draw(("uniforms", (1, 1)))
         session = EngineSession(self.sched.generator, [r.tokens for r in rows], cache=view)
         session.cache_len = [r.cache_len for r in rows]
-        temperature = _temperatures(rows)
-        graph = decode_graph(temperature)
-        feeds = {} if graph == "decode" else {"temperature": temperature, **_stacked(rows, ("uniforms",))}
+        graph, feeds = decode_inputs(_temperatures(rows), lambda: _stacked(rows, ("uniforms",))["uniforms"])
         out = session._prefill(graph, feeds)
         out = _outputs(out)
         results = []
@@ -518,22 +515,21 @@ class _DecodeCalls:
     def verify(self, rows: list[_Row], view: KVCache, proposals: list[list[int]]) -> list[_Result]:
         """The target alone on [last token, proposal] per row: the proposal's agreeing prefix and its next token."""
         fed = [[r.tokens[-1], *p] for r, p in zip(rows, proposals, strict=True)]
-        width = max(map(len, fed))  # the outputs wanted: every fed token's next
         for row, f in zip(rows, fed, strict=True):
             if not row.draws:
                 row.draw(("uniforms", (1, len(f))))
         ids = padded_ids(fed, self.min_tokens)  # the kernels a verify uses (runtime.engine.MIN_CALL_TOKENS)
         past_len = np.array([len(r.tokens) - 1 for r in rows], np.int64)
         view.reserve(int(past_len.max()) + ids.shape[1], view.capacity)
-        feeds = {"input_ids": ids, "past_len": past_len, "output_index": every_output(ids)}
-        temperature = _temperatures(rows)
-        graph = decode_graph(temperature)
-        if graph != "decode":
-            uniforms = np.zeros((len(rows), width), np.float32)
+        def uniforms() -> np.ndarray:  # each row's draws for its fed tokens' next, zeros at the padding
+            wide = np.zeros(ids.shape, np.float32)
             for i, (row, f) in enumerate(zip(rows, fed, strict=True)):
-                uniforms[i, : len(f)] = row.draws["uniforms"][0]
-            feeds |= {"temperature": temperature, "uniforms": padded_uniforms(uniforms, ids.shape[1])}
-        out = self.sched.counter.infer(graph, feeds, view)
+                wide[i, : len(f)] = row.draws["uniforms"][0]
+            return wide
+
+        graph, sampling = decode_inputs(_temperatures(rows), uniforms)
+        feeds = {"input_ids": ids, "past_len": past_len, "output_index": every_output(ids)}
+        out = self.sched.counter.infer(graph, feeds | sampling, view)
         out = _outputs(out)
         view.store(out, past_len.tolist(), [len(f) for f in fed])
         results = []
