@@ -59,6 +59,20 @@ def test_choice_is_exact(curve, costs, want):
     assert rows[want]["speedup_over_decode"] == pytest.approx(rows[want]["tokens_per_step"] / costs[want])
 
 
+def test_a_width_that_timed_cheaper_than_a_narrower_one_cannot_win():
+    """Step costs are fitted nondecreasing in k (pool adjacent violators) before the choice: a wide
+    width that timed lucky is pooled with the narrower ones it undercut, in every table."""
+    assert verify_width.nondecreasing({1: 1.0, 2: 1.5, 3: 1.0}) == {1: 1.0, 2: 1.25, 3: 1.25}
+    assert verify_width.nondecreasing({1: 3.0, 2: 2.0, 3: 1.0, 4: 5.0}) == {1: 2.0, 2: 2.0, 3: 2.0, 4: 5.0}
+    assert verify_width.nondecreasing({2: 1.2, 4: 1.3}) == {2: 1.2, 4: 1.3}
+    curve = [0.5, 0.1, 0.05]
+    lucky = {1: 1.0, 2: 1.5, 3: 1.0}  # raw: 1.65 tokens/ms at k = 3; fitted: 1.32, below k = 1's 1.5
+    choice = verify_width.choose(lucky, curve, decode_ms=1.0, batch_ms={1: (lucky, 1.0)}, context_ms={256: (lucky, 1.4)})
+    assert choice.drafts == 1 and choice.step_ms == {1: 1.0, 2: 1.25, 3: 1.25}
+    assert choice.by_batch[1].drafts == 1 and choice.by_context[256].drafts == 1
+    assert choice.by_context[256].step_ms == choice.step_ms
+
+
 def test_choice_refuses_bad_inputs():
     with pytest.raises(DLiteError, match="outside 1..2"):
         verify_width.choose({3: 1.0}, [0.5, 0.2])

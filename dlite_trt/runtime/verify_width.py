@@ -29,6 +29,11 @@ that pays after 1,024 cached tokens may not after 256 (SmolLM2 int4 on 2 cores: 
 1,024 to verify 2 drafts, a chat step then cost 1.50x a decode step for 1.50 tokens). Calibration
 also measures the batch-1 costs after a short and a long context (``by_context``), and a DLite
 session verifies, each step, the width of the calibrated context nearest its own (log scale).
+
+A step verifying more drafts does more work, so its true cost never falls with k; a measured table
+that falls (load on a shared machine hit one width's bursts) is fitted nondecreasing before the
+choice (``nondecreasing``: adjacent violators pooled to their mean), so a width that merely timed
+lucky cannot win.
 """
 
 from __future__ import annotations
@@ -58,6 +63,19 @@ def acceptance_curve(accepted: Sequence[int], max_drafts: int) -> list[float]:
 def expected_tokens(curve: Sequence[float], drafts: int) -> float:
     """Tokens a step emits on average when it verifies ``drafts`` drafts: 1 + sum_{i <= k} P(n >= i)."""
     return 1.0 + sum(curve[:drafts])
+
+
+def nondecreasing(step_ms: Mapping[int, float]) -> dict[int, float]:
+    """The least-squares nondecreasing fit of step costs over k (pool adjacent violators): where a
+    wider step timed cheaper than a narrower one, both take their pooled mean."""
+    pools: list[tuple[float, list[int]]] = []  # (mean ms, the widths pooled)
+    for k in sorted(step_ms):
+        mean, ks = step_ms[k], [k]
+        while pools and pools[-1][0] > mean:
+            before, joined = pools.pop()
+            mean, ks = (before * len(joined) + mean * len(ks)) / (len(joined) + len(ks)), joined + ks
+        pools.append((mean, ks))
+    return {k: mean for mean, ks in pools for k in ks}
 
 
 def best_drafting_width(curve: Sequence[float], step_ms: Mapping[int, float]) -> int:
@@ -162,7 +180,8 @@ def choose(step_ms: Mapping[int, float], curve: Sequence[float], *, decode_ms: f
            source: str = "", batch_ms: Costs | None = None, context_ms: Costs | None = None) -> WidthChoice:
     """The k of ``step_ms`` (k -> cost) that maximises expected tokens per step / cost; ties go to the
     larger k. ``batch_ms`` (batch size -> (step_ms, decode_ms) there) adds each batch size's width
-    in 0..K (``speculation_pays``), ``context_ms`` (cached tokens -> the same at batch 1) each context's."""
+    in 0..K (``speculation_pays``), ``context_ms`` (cached tokens -> the same at batch 1) each context's.
+    Every table of step costs is fitted ``nondecreasing`` in k first, and kept fitted."""
     tables = {}
     for what, given in (("batch", batch_ms), ("context", context_ms)):
         tables[what] = {}
@@ -170,9 +189,11 @@ def choose(step_ms: Mapping[int, float], curve: Sequence[float], *, decode_ms: f
             _check_costs(ms, len(curve))
             if not key >= 1 or not dec > 0:
                 raise DLiteError(f"{what} {key}: {what}s must be >= 1 and decode costs positive, got {dec}.")
-            tables[what][key] = BatchWidth(speculation_pays(curve, ms, dec), dict(ms), dec)
+            ms = nondecreasing(ms)
+            tables[what][key] = BatchWidth(speculation_pays(curve, ms, dec), ms, dec)
     _check_costs(step_ms, len(curve))
-    return WidthChoice(best_drafting_width(curve, step_ms), tuple(curve), dict(step_ms), decode_ms, source,
+    step_ms = nondecreasing(step_ms)
+    return WidthChoice(best_drafting_width(curve, step_ms), tuple(curve), step_ms, decode_ms, source,
                        tables["batch"], tables["context"])
 
 
