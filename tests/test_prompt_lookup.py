@@ -198,3 +198,73 @@ def test_dlite_with_lookup_is_lossless_and_uses_the_lookup(weak_draft_case, veri
         assert any(len(d) > verify_drafts for s in looked.steps for d in s.draft_tokens if d)
     with pytest.raises(EngineError, match="greedily"):
         next(gen.session(prompts).stream(SamplingParams(max_new_tokens=4, temperature=0.7), lookup=drafter))
+
+
+def _unsettled_prompt(hf) -> list[int]:
+    """A prompt holding the target's own greedy continuation with every fourth token changed: the
+    lookup (the server's n-gram sizes) matches, misses and matches again, so steps of both kinds
+    follow each other."""
+    start = _prompts(2, (6,))[0]
+    chain = hf_greedy(hf, start, 40)
+    return start + [t if i % 4 != 3 else (t + 7) % 64 for i, t in enumerate(chain)] + start
+
+
+def test_a_step_after_a_skipped_draft_verifies_the_narrowest_block(weak_draft_case, monkeypatch):
+    """After a step that verified lookup proposals on the decode graph (the draft did not run), the
+    block holds no drafts made from its anchor: the next step call verifies [anchor, d_1] alone and
+    drafts again, and a step call after a step call verifies the set width. At batch 1 a step call
+    runs only where the lookup has no match, so its width is exactly that. Output: target-only greedy."""
+    from dlite_trt.runtime.engine import UNDRAFTED_WIDTH, EngineGenerator
+
+    hf, engine = weak_draft_case
+    k = 5
+    gen = EngineGenerator(engine.runner, engine.manifest, k)
+    prompt = _unsettled_prompt(hf)
+    calls, infer = [], engine.runner.infer
+    monkeypatch.setattr(engine.runner, "infer", lambda graph, feeds, cache: (
+        calls.append((graph, feeds["block"].shape[1] if graph == "step" else None)), infer(graph, feeds, cache))[1])
+    session = gen.session([prompt])
+    drafter = PromptLookupDrafter(1, PromptLookupConfig(num_tokens=engine.cfg.num_proposals))  # as the server's
+    result = session._collect(lambda p, timer: session.stream(p, timer, lookup=drafter), SamplingParams(max_new_tokens=NEW))
+    assert result.output_ids == [hf_greedy(hf, prompt, NEW)]
+    pairs = list(zip(calls, calls[1:]))
+    after_skip = [width for (before, _), (graph, width) in pairs if before == "decode" and graph == "step"]
+    after_step = [width for (before, _), (graph, width) in pairs if before != "decode" and graph == "step"]
+    assert after_skip and set(after_skip) == {UNDRAFTED_WIDTH}
+    assert after_step and set(after_step) == {k + 1}
+
+
+def test_the_servers_step_after_a_skipped_draft_verifies_the_narrowest_block(weak_draft_case, monkeypatch):
+    """The same in the OpenAI server's scheduler (`--speculative dlite-ngram`, one request): a step
+    call right after a decode-graph step verifies [anchor, d_1] alone, one after a step call the
+    calibrated width (here fixed at 5); the tokens are target-only greedy's."""
+    import queue
+
+    from dlite_trt.runtime.engine import UNDRAFTED_WIDTH, EngineGenerator
+    from dlite_trt.serve.scheduler import Scheduler
+
+    hf, engine = weak_draft_case
+    k = 5
+    prompt = _unsettled_prompt(hf)
+    calls, infer = [], engine.runner.infer
+    monkeypatch.setattr(engine.runner, "infer", lambda graph, feeds, cache: (
+        calls.append((graph, feeds["block"].shape[1] if graph == "step" else None)), infer(graph, feeds, cache))[1])
+    sched = Scheduler(EngineGenerator(engine.runner, engine.manifest, k), speculative="dlite-ngram").start()
+    updates: queue.Queue = queue.Queue()
+    try:
+        sched.submit(prompt, SamplingParams(max_new_tokens=NEW), updates.put)
+        tokens = []
+        while True:
+            update = updates.get(timeout=120)
+            assert update.error is None, update.error
+            tokens += update.tokens
+            if update.finish_reason:
+                break
+    finally:
+        sched.stop()
+    assert tokens == hf_greedy(hf, prompt, NEW)
+    pairs = list(zip(calls, calls[1:]))
+    after_skip = [width for (before, _), (graph, width) in pairs if before == "decode" and graph == "step"]
+    after_step = [width for (before, _), (graph, width) in pairs if before != "decode" and graph == "step"]
+    assert after_skip and set(after_skip) == {UNDRAFTED_WIDTH}
+    assert after_step and set(after_step) == {k + 1}

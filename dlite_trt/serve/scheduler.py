@@ -34,6 +34,7 @@ import torch
 from dlite_trt.errors import DLiteError
 from dlite_trt.export.contract import SAMPLING_SUFFIX, cache_capacity_max
 from dlite_trt.runtime.engine import (
+    UNDRAFTED_WIDTH,
     EngineGenerator,
     EngineSession,
     decode_inputs,
@@ -99,7 +100,7 @@ class _Row:
         self.params, self.deliver, self.handle = params, deliver, handle
         self.cache_len = 0
         self.emitted = 0
-        self.state: dict[str, Any] = {}  # the mode's per-row carry (next block, group prefix, draft logits)
+        self.state: dict[str, Any] = {}  # per-row carry: next block, "drafted", group prefix, draft logits
         self.draws: dict[str, np.ndarray] = {}  # this call's uniforms (kept for a retry)
         self.sampling = not is_greedy(params.temperature)
         self.rng = None
@@ -390,7 +391,7 @@ class _DLiteCalls:
         out = _outputs(out)
         results, logits = [], _host(out.get("next_draft_logits"))
         for i, row in enumerate(rows):
-            state = {"block": out["next_block"][i], "logits": None if logits is None else logits[i]}
+            state = {"block": out["next_block"][i], "logits": None if logits is None else logits[i], "drafted": True}
             if self.g > 1:
                 state["prefix"] = feeds["group_prefix"][i]
             results.append(_Result([int(out["next_block"][i, 0])], len(row.tokens), state))
@@ -402,18 +403,26 @@ class _DLiteCalls:
         k = self.k if sampling else self.drafts_for(rows)  # a greedy step verifies d_1..d_k
         if k == 0:
             return self._without_draft(rows, view, [[] for _ in rows])
-        return self._verify_and_draft(rows, view, np.stack([r.state["block"][: k + 1] for r in rows]))
+        width = k + 1 if sampling else self._greedy_width(rows, k)
+        return self._verify_and_draft(rows, view, np.stack([r.state["block"][:width] for r in rows]))
+
+    @staticmethod
+    def _greedy_width(rows: list[_Row], k: int) -> int:
+        """k + 1, or the narrowest step where no row's block holds drafts made from its anchor
+        (every row's last step ran without the draft: ``UNDRAFTED_WIDTH``)."""
+        return k + 1 if any(r.state["drafted"] for r in rows) else UNDRAFTED_WIDTH
 
     def _without_draft(self, rows: list[_Row], view: KVCache, proposals: list[list[int]]) -> list[_Result]:
         """A greedy step on the decode graph: the target alone verifies ``proposals`` (none: it decodes
-        one token); the next block is each row's anchor alone, and the next step call drafts again."""
+        one token); the next block is each row's anchor alone, and the next step call drafts again
+        (at ``UNDRAFTED_WIDTH``: it has nothing from the draft to verify)."""
         for row in rows:  # a retried row may hold a step's draws: greedy, so nothing of them is lost
             row.draws = {}
         results = self.decode.verify(rows, view, proposals)
         for row, result in zip(rows, results, strict=True):
             block = np.zeros(self.k + 1, np.int64)
             block[0] = result.tokens[-1]
-            result.state = {"block": block}
+            result.state = {"block": block, "drafted": False}
             if self.g > 1:
                 before = [*row.tokens, *result.tokens[:-1]][-(self.g - 1):]
                 result.state["prefix"] = np.array([0] * (self.g - 1 - len(before)) + before, np.int64)
@@ -444,7 +453,7 @@ class _DLiteCalls:
         view.store(out, past_len.tolist(), [a + 1 for a in n])
         results, logits = [], _host(out.get("next_draft_logits"))
         for i, row in enumerate(rows):
-            state = {"block": out["next_block"][i], "logits": None if logits is None else logits[i]}
+            state = {"block": out["next_block"][i], "logits": None if logits is None else logits[i], "drafted": True}
             if self.g > 1:
                 state["prefix"] = out["next_group_prefix"][i]
             results.append(_Result(out["emitted"][i, : n[i] + 1].tolist(), int(past_len[i]) + n[i] + 1, state,
@@ -475,7 +484,7 @@ class _DLiteNgramCalls(_DLiteCalls):
         k = self.drafts_for(rows)
         if all(proposals) or k == 0:  # where the batch's width is 0, rows without a proposal decode one token
             return self._without_draft(rows, view, proposals)
-        width = max(k, *map(len, proposals)) + 1
+        width = max(self._greedy_width(rows, k), *(len(p) + 1 for p in proposals))
         block = np.stack([r.state["block"][:width] for r in rows])
         for i, proposal in enumerate(proposals):
             block[i, 1: 1 + len(proposal)] = proposal
