@@ -110,7 +110,8 @@ def calibrate(gen: EngineGenerator, prompts: Sequence[Sequence[int]], *, new_tok
     by_context = {context: costs[1]} | {c: call_ms(gen, c, runs)[1] for c in contexts}
     source = (f"{len(prompts)} prompts x {new_tokens} new tokens at full width; calls after {context} cached "
               f"tokens, batch sizes {', '.join(map(str, batches))}, and at batch 1 after "
-              f"{', '.join(map(str, sorted(by_context)))}; medians of {max(1, runs // 10) * 10}, fitted nondecreasing in k")
+              f"{', '.join(map(str, sorted(by_context)))}; medians of {max(1, runs // 10) * 10}, "
+              "fitted nondecreasing in k")
     step_ms, decode_ms = costs[1]
     return verify_width.choose(step_ms, curve, decode_ms=decode_ms, source=source, batch_ms=costs,
                                context_ms=by_context)

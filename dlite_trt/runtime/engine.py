@@ -226,8 +226,8 @@ class EngineSession(SessionBase):
         proposals through the ``decode`` graph (as n-gram lookup alone does) and skips the draft
         (counted in ``skipped_drafts``); the next ``step`` call then holds no drafts made from its
         anchors, so it verifies the narrowest block (``UNDRAFTED_WIDTH``, wider only for a
-        proposal), keeps the target's token and drafts again. Verification does not care where drafts came from, so the output
-        stays the target's greedy output.
+        proposal), keeps the target's token and drafts again. Verification does not care where
+        drafts came from, so the output stays the target's greedy output.
 
         Greedy runs use the ``prefill``/``step`` graphs; sampling runs the ``*_sampling`` ones,
         with uniforms drawn in the reference's order (anchor, then per step: accept tests,
@@ -275,9 +275,12 @@ class EngineSession(SessionBase):
                 continue
             with timer.time("step"):
                 past_len = np.array(self.cache_len, np.int64)  # = anchor position of every active row
-                # a greedy step verifies d_1..d_k, k calibrated for this batch and context
-                width = k + 1 if sampling else UNDRAFTED_WIDTH if not drafted else \
-                    self.gen.greedy_drafts(b, context=int(past_len.max())) + 1
+                if sampling:
+                    width = k + 1
+                elif drafted:  # a greedy step verifies d_1..d_k, k calibrated for this batch and context
+                    width = self.gen.greedy_drafts(b, context=int(past_len.max())) + 1
+                else:
+                    width = UNDRAFTED_WIDTH
                 block = np.ascontiguousarray(block[:, :width]) if proposals is None else \
                     self._looked_up(block, width, proposals)
                 feeds = {"block": block, "past_len": past_len, **prefix, **carried,
