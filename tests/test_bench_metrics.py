@@ -85,6 +85,27 @@ def test_goals():
     assert g["draft_time_flat"] == {"contexts": [256, 16384], "ratio": 1.125, "within_10_percent": False}
 
 
+def test_dlite_ngram_is_judged_against_the_lookup_alone_and_the_step_call_at_the_shortest_context():
+    def method(tps, decode_tps):
+        return {"tokens_per_second": tps, "decode_tokens_per_second": decode_tps, "speedup_over_ar": tps / 100.0,
+                "mean_acceptance_length": 2.0}
+
+    calls = {"2048": {"step_over_decode": 1.40, "verify_width": 4}, "256": {"step_over_decode": 1.20, "verify_width": 3}}
+    report = {"workloads": {"a": {"methods": {"ar": method(100.0, 110.0), "dlite": method(120.0, 140.0),
+                                              "ngram": method(150.0, 200.0), "dlite-ngram": method(149.0, 210.0)}}},
+              "context_cost": {"call_times": calls}}
+    targets = goals(report)["a"]["targets"]
+    lookup = targets["dlite-ngram"]["at_least_ngram"]
+    assert (lookup["fastest"], lookup["need"]) == ("ngram", 1.0)
+    assert lookup["ratio"] == 149.0 / 150.0 and lookup["decode_phase_ratio"] == 210.0 / 200.0
+    assert "at_least_ngram" not in targets["dlite"]  # DLite alone answers to the 1.3x goal over the lookup
+    assert targets["dlite"]["over_ngram"]["ratio"] == 120.0 / 150.0
+    assert goals(report)["step_call_over_decode"] == {"context": 256, "verify_width": 3, "ratio": 1.20,
+                                                      "need": 1.25, "met": True}
+    calls["256"]["step_over_decode"] = 1.3
+    assert goals(report)["step_call_over_decode"]["met"] is False
+
+
 def _workload_goals(step_s: dict[str, list[float]], al: dict[str, int]) -> dict:
     """One workload's goals from planted timings: per method, one 96-token request per task
     (round), a 0.1 s prefill and decode steps of ``step_s[method][task]`` seconds, each keeping

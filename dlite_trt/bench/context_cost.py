@@ -3,7 +3,8 @@
 - ``step_vs_decode``: wall time (host work included) of one speculative step and of one
   target-only decode step, per context length, methods and contexts interleaved each round;
 - ``call_times``: wall time of single engine calls: the step graph, the verify pass alone (a
-  decode call of K+1 tokens) and a one-token decode; step minus verify is the draft's wall time;
+  decode call of the k+1 tokens a DLite step verifies after that context) and a one-token
+  decode; step minus verify is the draft's wall time;
 - ``step_profile``: the step graph's kernel time per call split into the target (verify) and
   the draft, from ONNX Runtime's profiler. It profiles the unoptimized step graph, whose node
   names keep their module scopes (``/target/...`` for the target; the draft's modules and the
@@ -161,8 +162,9 @@ def burst_medians(engine: Any, calls: dict[int, tuple[Any, dict[str, tuple[str, 
 
 def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progress: Any = None) -> dict[str, dict]:
     """Median wall ms of single engine calls per context: the ``step`` graph (verify + draft), a
-    ``decode`` call of K+1 tokens (the same verify pass alone: what n-gram lookup runs per step)
-    and of 1 token (a target-only decode step). Inputs are random (the cache's contents do not
+    ``decode`` call of k+1 tokens (the same verify pass alone: what n-gram lookup runs per step;
+    k the drafts a DLite step verifies after that context, ``verify_width`` = k+1) and of 1 token
+    (a target-only decode step). Inputs are random (the cache's contents do not
     change the work), nothing is stored; see ``burst_medians`` for the timing."""
     import numpy as np
 
@@ -170,10 +172,10 @@ def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progres
 
     manifest = engine.manifest
     block = manifest.draft_config.block_size
-    width = engine.verify_drafts + 1  # the step's block as this engine runs it
     rng = np.random.default_rng(0)
-    calls = {}
+    calls, widths = {}, {}
     for ctx in contexts:
+        width = widths[ctx] = engine.greedy_drafts(1, context=ctx) + 1  # the block a DLite step verifies there
         cache = engine.runner.new_cache(1)
         cache.ensure_capacity(ctx + 2 * block)
         sizes = {"batch": 1, "cache": cache.capacity}
@@ -189,7 +191,8 @@ def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progres
         step, verify, decode = (medians[ctx][k] * 1e3 for k in ("step", "verify", "decode"))
         rows[str(ctx)] = {"step_call_ms": step, "verify_call_ms": verify, "decode_call_ms": decode,
                           "draft_ms": max(step - verify, 0.0), "verify_over_decode": verify / decode,
-                          "step_over_decode": step / decode, "runs": max(1, runs // 10) * 10}
+                          "step_over_decode": step / decode, "verify_width": widths[ctx],
+                          "runs": max(1, runs // 10) * 10}
     return rows
 
 
