@@ -218,6 +218,15 @@ def test_a_follow_up_turn_reuses_the_previous_turn(server, oracle, code):
     assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == common
 
 
+def _wait_for_generation(server, before: dict, timeout: float = 60.0) -> None:
+    """Returns once the server has generated tokens since `before` (a fixed sleep is too short on a loaded
+    machine, where the requests may not have been admitted yet)."""
+    deadline = time.monotonic() + timeout
+    while server.metrics()["dlite_generation_tokens_total"] == before["dlite_generation_tokens_total"]:
+        assert time.monotonic() < deadline, "the server generated nothing in time"
+        time.sleep(0.01)
+
+
 def test_seeded_sampling_is_reproducible_with_reuse_and_in_a_mixed_batch(server, engine, oracle, code):
     """A seeded sampled request gives the tokens the engine gives it alone (a batch of one), again
     when it reuses its own kept prefix, and while sharing the batch with greedy requests (which
@@ -238,11 +247,11 @@ def test_seeded_sampling_is_reproducible_with_reuse_and_in_a_mixed_batch(server,
     first, _ = sampled()
     again, cached = sampled()
     assert first == alone and again == alone and cached > 0
-    jobs = [(code[34 + i][:30], 60) for i in range(3)]
+    jobs = [(code[34 + i][:30], 120) for i in range(3)]
     before = server.metrics()
     with ThreadPoolExecutor(4) as pool:
         greedy_runs = [pool.submit(_complete, server, *job) for job in jobs]
-        time.sleep(0.2)  # they are mid-generation when the sampled one joins
+        _wait_for_generation(server, before)  # they are mid-generation when the sampled one joins
         mixed = pool.submit(sampled)
         greedy_out = [f.result()[0] for f in greedy_runs]
     assert mixed.result()[0] == alone
