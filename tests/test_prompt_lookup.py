@@ -268,3 +268,32 @@ def test_the_servers_step_after_a_skipped_draft_verifies_the_narrowest_block(wea
     after_step = [width for (before, _), (graph, width) in pairs if before != "decode" and graph == "step"]
     assert after_skip and set(after_skip) == {UNDRAFTED_WIDTH}
     assert after_step and set(after_step) == {k + 1}
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_a_miss_without_drafts_drafts_only_where_it_pays(weak_draft_case, monkeypatch, pays):
+    """A lookup miss right after a step that skipped the draft: under a calibrated table where a
+    drafted step gains nothing over decode calls, the session decodes one token on the decode graph
+    (no step call ever follows a decode call, and the draft counts as skipped at every such step);
+    where it gains a lot, it calls the step graph to draft, as without a table. Output: target-only
+    greedy either way."""
+    from dlite_trt.runtime import verify_width
+    from dlite_trt.runtime.engine import EngineGenerator
+
+    hf, engine = weak_draft_case
+    k, most = 3, engine.cfg.num_proposals
+    curve = [0.9 if pays else 0.02] * most
+    costs = {w: 1.1 + 0.05 * w for w in range(1, most + 1)}  # a decode call costs 1.0
+    choice = verify_width.choose(costs, curve, decode_ms=1.0, context_ms={256: (costs, 1.0)})
+    gen = EngineGenerator(engine.runner, engine.manifest, k, widths=choice)
+    prompt = _unsettled_prompt(hf)
+    calls, infer = [], engine.runner.infer
+    monkeypatch.setattr(engine.runner, "infer", lambda graph, *args: (calls.append(graph), infer(graph, *args))[1])
+    session = gen.session([prompt])
+    drafter = PromptLookupDrafter(1, PromptLookupConfig(num_tokens=most))
+    result = session._collect(lambda p, timer: session.stream(p, timer, lookup=drafter), SamplingParams(max_new_tokens=NEW))
+    assert result.output_ids == [hf_greedy(hf, prompt, NEW)]
+    per_step = [g for g in calls if g != "prefill"]
+    step_after_decode = any(a == "decode" and b == "step" for a, b in zip(per_step, per_step[1:]))
+    assert step_after_decode == pays and drafter.misses.after_miss > 0, per_step
+    assert session.skipped_drafts == per_step.count("decode")

@@ -226,8 +226,11 @@ class EngineSession(SessionBase):
         proposals through the ``decode`` graph (as n-gram lookup alone does) and skips the draft
         (counted in ``skipped_drafts``); the next ``step`` call then holds no drafts made from its
         anchors, so it verifies the narrowest block (``UNDRAFTED_WIDTH``, wider only for a
-        proposal), keeps the target's token and drafts again. Verification does not care where
-        drafts came from, so the output stays the target's greedy output.
+        proposal), keeps the target's token and drafts again, where drafting then pays: a miss with no
+        drafts at hand runs that call only when the misses expected to follow it (from how often the
+        lookup has missed right after a miss, ``MissRuns``) gain more than the call costs over a decode
+        call (``_drafting_pays``), else it decodes one token as n-gram lookup alone does. Verification
+        does not care where drafts came from, so the output stays the target's greedy output.
 
         Greedy runs use the ``prefill``/``step`` graphs; sampling runs the ``*_sampling`` ones,
         with uniforms drawn in the reference's order (anchor, then per step: accept tests,
@@ -262,10 +265,11 @@ class EngineSession(SessionBase):
         drafted = True  # ``block`` holds drafts made from its anchors (not so after a step without the draft)
         while any(self._active):
             most = min(self.k, self.max_verify_tokens() - 1)  # a skip step verifies on the decode graph
-            proposals = None if lookup is None else \
-                [lookup.propose(row, self.tokens[row], most) if self._active[row] else [] for row in range(b)]
-            if proposals is not None and all(p for p, a in zip(proposals, self._active, strict=True) if a):
-                with timer.time("verify"):  # every running row has a proposal: no draft this step
+            proposals = None if lookup is None else self._proposals(lookup, most)
+            if proposals is not None and (all(p for p, a in zip(proposals, self._active, strict=True) if a) or
+                                          not drafted and not self._drafting_pays(lookup.misses.rate())):
+                with timer.time("verify"):  # every running row has a proposal (or a miss the draft would not
+                    # pay for: those rows decode one token): no draft this step
                     event = self._verify_proposals(proposals, params, draw)
                 block = np.array([[t[-1]] + [0] * k for t in self.tokens], np.int64)  # the anchors; no drafts
                 if self.g > 1:
@@ -298,6 +302,23 @@ class EngineSession(SessionBase):
                     carried = {"draft_logits": out["next_draft_logits"]}
             yield event
         timer.seconds["engine"] += self.cache.engine_seconds - engine_before
+
+    def _proposals(self, lookup: Any, most: int) -> list[list[int]]:
+        """Every running row's n-gram proposal (recorded in ``lookup.misses``), [] for finished rows."""
+        proposals = []
+        for row, active in enumerate(self._active):
+            proposals.append(lookup.propose(row, self.tokens[row], most) if active else [])
+            if active:
+                lookup.record(row, proposals[-1])
+        return proposals
+
+    def _drafting_pays(self, miss_rate: float) -> bool:
+        """At a lookup miss with no drafts at hand: whether to draft now (a step call that emits the
+        target's token alone, ``UNDRAFTED_WIDTH``) for the misses expected next, rather than decode
+        (``WidthChoice.drafting_pays_after_miss``); always without a calibrated table."""
+        widths = self.gen.widths
+        return widths is None or widths.drafting_pays_after_miss(self.batch_size, max(self.cache_len),
+                                                                 UNDRAFTED_WIDTH - 1, miss_rate)
 
     def _looked_up(self, block: np.ndarray, width: int, proposals: list[list[int]]) -> np.ndarray:
         """[anchor, drafts]: per active row the n-gram proposal after its tokens (which end with the

@@ -62,6 +62,20 @@ class NgramIndex:
         return []
 
 
+@dataclass
+class MissRuns:
+    """How often the lookup misses (proposes nothing) right after a miss, counted over a drafter's
+    rows and turns: ``rate`` is P(miss | the row's previous step missed), with one repeat and one
+    hit as the prior (0.5 before anything is seen). DLite + n-gram reads it to decide whether a miss
+    with no drafts at hand should run the draft (``WidthChoice.drafting_pays_after_miss``)."""
+
+    after_miss: int = 0  # steps whose row missed the step before
+    repeated: int = 0  # of those, the ones that missed again
+
+    def rate(self) -> float:
+        return (self.repeated + 1) / (self.after_miss + 2)
+
+
 class PromptLookupDrafter:
     """One index per sequence of a session; keep it for the session's lifetime (multi-turn).
     A ``Drafter`` for ``SessionBase.stream_drafted``."""
@@ -70,6 +84,16 @@ class PromptLookupDrafter:
         self.cfg = cfg or PromptLookupConfig()
         self.indexes = [NgramIndex(self.cfg) for _ in range(batch)]
         self.context_tokens = 0  # tokens indexed by ``sync``: the work a new prompt or turn costs
+        self.misses = MissRuns()
+        self._missed = [False] * batch  # whether each row's last recorded proposal was empty
+
+    def record(self, row: int, proposal: Sequence[int]) -> None:
+        """Count a proposal a step verified (or its absence) in ``misses``."""
+        missed = not proposal
+        if self._missed[row]:
+            self.misses.after_miss += 1
+            self.misses.repeated += missed
+        self._missed[row] = missed
 
     def sync(self, tokens: Sequence[Sequence[int]]) -> int:
         """Index what the sequences gained outside decoding (a prompt, an appended turn); returns the count."""

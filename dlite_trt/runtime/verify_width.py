@@ -48,6 +48,7 @@ from typing import Any
 from dlite_trt.errors import DLiteError, EngineError
 
 WIDTH_FILE = "verify_width.json"
+MAX_MISS_RATE = 0.95  # caps p in drafting_pays_after_miss (p / (1 - p) grows without bound)
 
 
 def acceptance_curve(accepted: Sequence[int], max_drafts: int) -> list[float]:
@@ -133,16 +134,37 @@ class WidthChoice:
         scale); else the entry of the smallest calibrated batch size at least ``batch`` (the largest
         one past them); ``drafts`` without a table (a file from before batch sizes were calibrated).
         ``drafting``: a step that drafts anyway (a DLite session), so the best k >= 1 there."""
-        if batch == 1 and context is not None and self.by_context:
-            width = self.by_context[min(self.by_context, key=lambda c: abs(math.log(c) - math.log(max(context, 1))))]
-        elif self.by_batch:
-            sizes = sorted(self.by_batch)
-            width = self.by_batch[next((b for b in sizes if b >= batch), sizes[-1])]
-        else:
+        width = self.costs_for(batch, context)
+        if width is None:
             return self.drafts
         if width.drafts or not drafting:
             return width.drafts
         return best_drafting_width(self.curve, width.step_ms)
+
+    def costs_for(self, batch: int, context: int | None = None) -> BatchWidth | None:
+        """The calibrated entry ``drafts_for`` reads (None in a file from before batch sizes were calibrated)."""
+        if batch == 1 and context is not None and self.by_context:
+            return self.by_context[min(self.by_context, key=lambda c: abs(math.log(c) - math.log(max(context, 1))))]
+        if self.by_batch:
+            sizes = sorted(self.by_batch)
+            return self.by_batch[next((b for b in sizes if b >= batch), sizes[-1])]
+        return None
+
+    def drafting_pays_after_miss(self, batch: int, context: int, undrafted: int, p_miss: float) -> bool:
+        """Whether a step with no drafts at hand (n-gram lookup missed right after a step that skipped
+        the draft) should run the step graph at ``undrafted`` drafts, emitting one token at its cost,
+        so that the next step has drafts, rather than a decode call. It pays when the misses expected
+        to follow this one, p / (1 - p) with p = P(a miss follows a miss), each win what a drafted step
+        gains over decode calls (E[tokens | k] x decode - step(k)) more than the step costs over a
+        decode call now (step(undrafted) - decode). True without a calibrated table."""
+        width = self.costs_for(batch, context)
+        if width is None:
+            return True
+        k = self.drafts_for(batch, drafting=True, context=context)
+        gain = expected_tokens(self.curve, k) * width.decode_ms - width.step_ms[k]
+        overhead = width.step_ms[undrafted] - width.decode_ms
+        p = min(p_miss, MAX_MISS_RATE)
+        return gain > 0 and p / (1.0 - p) * gain >= overhead
 
     def rows(self) -> dict[int, dict[str, float]]:
         """Per k: tokens per step, step ms, tokens per ms and (with decode_ms) the predicted speedup."""
