@@ -124,15 +124,15 @@ def test_lowered_nodes(pair: Pair) -> None:
 
 
 def test_where_gqa_is_built() -> None:
-    assert default_attention("onnxruntime", "fp32", "int4", 64) == "gqa" == resolve(BuildSettings(weights="int4"),
+    assert default_attention("onnxruntime", "fp32", 64) == "gqa" == resolve(BuildSettings(weights="int4"),
                                                                                      64).attention
     assert resolve(BuildSettings(weights="int4"), 64).int4_accuracy_level == 4  # lossless with gqa: the fastest
     assert resolve(BuildSettings(weights="int4", attention="ops"), 64).int4_accuracy_level == 0
-    assert default_attention("onnxruntime", "fp32", "int4", 12) == "ops"  # the kernel takes head_dim % 8 == 0 only
-    assert default_attention("onnxruntime", "fp32", "float", 64) == "ops" == resolve(BuildSettings(), 64).attention
-    assert default_attention("onnxruntime", "fp16", "float", 64) == "ops"
-    assert default_attention("tensorrt", "fp32", "float", 64) == "ops"
-    assert resolve(BuildSettings(attention="gqa"), 64).attention == "gqa"  # fp32 on request
+    assert default_attention("onnxruntime", "fp32", 64) == "gqa" == resolve(BuildSettings(), 64).attention
+    assert default_attention("onnxruntime", "fp32", 12) == "ops" == resolve(BuildSettings(), 12).attention
+    assert default_attention("onnxruntime", "fp16", 64) == "ops"
+    assert default_attention("tensorrt", "fp32", 64) == "ops"
+    assert resolve(BuildSettings(attention="ops"), 64).attention == "ops"  # on request
     with pytest.raises(ConfigError, match="multiple of 8, this target's is 12"):
         resolve(BuildSettings(attention="gqa"), 12)
     with pytest.raises(ConfigError, match="GroupQueryAttention"):

@@ -45,8 +45,8 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "verifies every token); it moves the draft's cost and how many of its tokens are kept "
                    "(docs/engine.md).")
 @click.option("--attention", type=click.Choice(["gqa", "ops"]), default=None,
-              help="How the target attends over the KV cache [default: gqa for onnxruntime int4 where the "
-                   "target's head_dim is a multiple of 8, else ops]. gqa: ONNX Runtime's GroupQueryAttention, writing each call's entries into the cache in "
+              help="How the target attends over the KV cache [default: gqa for onnxruntime fp32 and int4 where "
+                   "the target's head_dim is a multiple of 8, else ops]. gqa: ONNX Runtime's GroupQueryAttention, writing each call's entries into the cache in "
                    "place and reading every key from its own slot, so a verify and a decode call compute a position "
                    "alike. ops: standard ONNX ops over the cache's slots and the call's new keys (TensorRT, fp16).")
 @click.option("--workspace", "workspace_gb", default=8.0, show_default=True, type=click.FloatRange(min=0.1),

@@ -106,19 +106,21 @@ class BuildSettings:
                               "first); use --int4-draft float there")
 
 
-def default_attention(backend: str, dtype: str, weights: str, head_dim: int) -> str:
-    """GroupQueryAttention for int4 engines where it runs (ONNX Runtime with query_seqlens, a head_dim its
-    CPU kernel takes): there it makes accuracy level 4 lossless. Standard ops elsewhere: ONNX Runtime's
-    CPU GroupQueryAttention is slower than they are (fp32 SmolLM2, 2 threads: a decode call 1.04x at 256
-    cached tokens, 1.15x at 2,048; docs/engine.md), and in fp32 they already give target-only's output."""
-    runs = (backend, dtype) in GQA_BUILDS and weights == "int4" and head_dim % GQA_HEAD_DIM_MULTIPLE == 0
+def default_attention(backend: str, dtype: str, head_dim: int) -> str:
+    """GroupQueryAttention wherever it runs (ONNX Runtime fp32 and int4 engines, an ONNX Runtime with
+    query_seqlens, a head_dim its CPU kernel takes): every key at its own slot makes a verify and a decode
+    call compute a position alike (int4 accuracy level 4 lossless), and on this CPU it is the faster one
+    since RoPE went inside it (fp32 SmolLM2, 2 threads: a decode call 0.90x the standard ops' at 256
+    cached tokens, 1.00x at 2,048, a 3,900-token prefill 0.58x; docs/engine.md). Standard ops elsewhere
+    (TensorRT, fp16, other head sizes)."""
+    runs = (backend, dtype) in GQA_BUILDS and head_dim % GQA_HEAD_DIM_MULTIPLE == 0
     return "gqa" if runs and onnxruntime_takes_query_seqlens() else "ops"
 
 
 def resolve(settings: BuildSettings, head_dim: int) -> BuildSettings:
     """``settings`` with the attention and the int4 accuracy level chosen for a target of ``head_dim``
     (their defaults where not given: ``default_attention``, ``default_accuracy_level``)."""
-    attention = settings.attention or default_attention(settings.backend, settings.dtype, settings.weights, head_dim)
+    attention = settings.attention or default_attention(settings.backend, settings.dtype, head_dim)
     if attention == "gqa" and head_dim % GQA_HEAD_DIM_MULTIPLE:
         raise ConfigError(f"attention 'gqa': ONNX Runtime's GroupQueryAttention takes a head_dim that is a multiple "
                           f"of {GQA_HEAD_DIM_MULTIPLE}, this target's is {head_dim}; use attention 'ops'")
