@@ -20,8 +20,10 @@ LIMITS = EngineLimits(max_batch=2, max_seq_len=96, max_chunk=16)
 @pytest.fixture(scope="module")
 def engines(tiny_pair, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    for dtype in ("fp32", "fp16"):
+    for dtype in ("fp32", "fp16"):  # fp32 attends through GroupQueryAttention (its default), fp16 through ops
         build_engine(*tiny_pair, out / dtype, BuildSettings(dtype=dtype, limits=LIMITS), progress=False)
+    # fp32 over the standard ops too: its graphs return the call's keys (new_key), as fp16's and TensorRT's do
+    build_engine(*tiny_pair, out / "fp32-ops", BuildSettings(attention="ops", limits=LIMITS), progress=False)
     return out
 
 
@@ -46,7 +48,7 @@ def test_an_engine_against_itself_differs_nowhere(engines):
 
 
 def test_fp16_against_fp32_differs_by_rounding(engines):
-    a, b = open_engine(engines / "fp32", preload=()), open_engine(engines / "fp16", preload=())
+    a, b = open_engine(engines / "fp32-ops", preload=()), open_engine(engines / "fp16", preload=())
     report = compare_graphs(a, b, graphs=("decode", "prefill"))
     for graph in ("decode", "prefill"):
         kv = report[graph]["new_key"]
@@ -64,7 +66,7 @@ def test_the_random_cache_reaches_the_graphs(engines):
     from dlite_trt.export.contract import dummy_inputs, kv_input
     from dlite_trt.runtime.compare import _run, graph_sizes
 
-    gen = open_engine(engines / "fp32", preload=())
+    gen = open_engine(engines / "fp32-ops", preload=())
     sizes = graph_sizes(gen, gen)
     feeds = dummy_inputs(gen.manifest.contract["prefill"], sizes, vocab_size=gen.manifest.target_spec.vocab_size,
                          rng=np.random.default_rng(0))
