@@ -149,8 +149,10 @@ def generator(hf_target, spec: TargetSpec, draft: DLiteDraft) -> SpeculativeGene
     return SpeculativeGenerator(TargetAdapter(hf_target, spec, draft.cfg.target_layer_ids), draft)
 
 
-def small_engine(tmp: Path, hf_target, draft: DLiteDraft, **limits):
-    """Save a transformers target and a draft under ``tmp``, build an ONNX Runtime engine, open it."""
+def small_engine(tmp: Path, hf_target, draft: DLiteDraft, draft_weights: str = "float", **limits):
+    """Save a transformers target and a draft under ``tmp``, build an ONNX Runtime engine, open it.
+    The draft float by default, so that its proposals are the reference generator's step for step (the
+    build's default, its matrices Q8_0, proposes from rounded weights: tests/test_int4.py)."""
     from dlite_trt.checkpoint import save_draft
     from dlite_trt.engine.build import BuildSettings, build_engine
     from dlite_trt.export.contract import EngineLimits
@@ -159,8 +161,8 @@ def small_engine(tmp: Path, hf_target, draft: DLiteDraft, **limits):
     hf_target.save_pretrained(tmp / "target")
     save_draft(draft, tmp / "draft")
     limits = {"max_batch": 4, "max_seq_len": 128, "max_chunk": 8} | limits
-    build_engine(tmp / "target", tmp / "draft", tmp / "engine", BuildSettings(limits=EngineLimits(**limits)),
-                 progress=False)
+    build_engine(tmp / "target", tmp / "draft", tmp / "engine",
+                 BuildSettings(limits=EngineLimits(**limits), draft_weights=draft_weights), progress=False)
     return open_engine(tmp / "engine")
 
 

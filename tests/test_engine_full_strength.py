@@ -76,7 +76,8 @@ def case(request, tmp_path_factory):
     hf.save_pretrained(root / "target")
     save_draft(draft, root / "draft")
     build_engine(root / "target", root / "draft", root / "engine",
-                 BuildSettings(limits=EngineLimits(max_batch=4, max_seq_len=160, max_chunk=8)), progress=False)
+                 BuildSettings(limits=EngineLimits(max_batch=4, max_seq_len=160, max_chunk=8), draft_weights="float"),
+                 progress=False)  # the draft float: its proposals are checked against the reference's
     return hf, draft, open_engine(root / "engine")
 
 

@@ -42,6 +42,7 @@ from dlite_trt.export.int4 import (
     Q4Blocks,
     Q8Blocks,
     blocks_from_ggml,
+    draft_only,
     gguf_blocks,
     gguf_head_blocks,
     nbits_tensors,
@@ -487,12 +488,12 @@ def _bundled_engine(tmp_path_factory, level: int, draft_format: str | None = Non
 
     target, draft = bundled_pair()
     out = tmp_path_factory.mktemp(f"int4-l{level}") / "engine"
-    settings = BuildSettings(weights="int4", int4_accuracy_level=level, int4_draft=draft_format,
+    settings = BuildSettings(weights="int4", int4_accuracy_level=level, draft_weights=draft_format,
                              limits=EngineLimits(**LIMITS))
     manifest = build_engine(target, draft, out, settings, progress=False)
     pair = load_pair(target, draft)
     plan = plan_int4(pair.generator.target, pair.source.spec, pair.source.path, level)
-    return out, manifest, pair, with_draft(plan, pair.generator.draft, draft_format or default_draft_format(level))
+    return out, manifest, pair, with_draft(plan, pair.generator.draft, draft_format or default_draft_format("int4", level, True))
 
 
 @pytest.fixture(scope="module")
@@ -653,6 +654,59 @@ def test_int4_speculative_greedy_equals_its_target_only_greedy(engine: str, requ
     assert max(speculative.acceptance_lengths(0)) > 1  # the draft's blocks were really verified
 
 
+@pytest.fixture(scope="module")
+def bundled_fp32_q8_draft(tmp_path_factory):
+    """The bundled tiny pair as an fp32 engine at the defaults: the target fp32, the draft Q8_0."""
+    from dlite_trt.bundled import bundled_pair
+    from dlite_trt.engine.build import BuildSettings, build_engine
+    from dlite_trt.export.contract import EngineLimits
+    from dlite_trt.loading import load_pair
+
+    target, draft = bundled_pair()
+    out = tmp_path_factory.mktemp("fp32-q8-draft") / "engine"
+    manifest = build_engine(target, draft, out, BuildSettings(limits=EngineLimits(**LIMITS)), progress=False)
+    return out, manifest, load_pair(target, draft)
+
+
+def test_an_fp32_engine_drafts_through_8_bit_blocks_and_stays_lossless(bundled_fp32_q8_draft) -> None:
+    """The default fp32 engine (ONNX Runtime) stores the draft's matrices Q8_0 and runs them at level 4,
+    in the graphs that draft and nowhere else; the target is untouched (no MatMulNBits under /target/),
+    so speculative greedy equals transformers' greedy on the fp32 target."""
+    from transformers import AutoModelForCausalLM
+
+    from dlite_trt.runtime.engine import open_engine
+    from dlite_trt.runtime.session import SamplingParams
+    from helpers import hf_greedy
+
+    out, manifest, pair = bundled_fp32_q8_draft
+    cfg = pair.generator.draft.cfg
+    want = WeightFormat(draft="Q8_0", draft_matrices=7 * cfg.num_hidden_layers + 1)  # the layers' and output_proj
+    assert manifest.weights == want == load_manifest(out).weights and manifest.dtype == "fp32"
+    assert manifest.weights.describe("fp32") == (f"fp32; draft Q8_0 ({want.draft_matrices} matrices), int8 "
+                                                 "activations in the quantized matmuls (accuracy level 4)")
+    plan = with_draft(draft_only(), pair.generator.draft, "Q8_0")
+    k = cfg.num_proposals
+    for graph, paths in manifest.graphs.items():
+        nodes = _nbits_nodes(onnx.load(str(out / paths["onnx"]), load_external_data=False))
+        drafted = graph in ("prefill", "prefill_sampling", "step", "step_sampling")
+        covered = sorted(name for a in nodes.values() for name in a["names"])
+        assert covered == (sorted(list(plan.draft) + ["draft.sequential_head.output_proj.weight"] * (k - 1))
+                           if drafted else []), graph
+        assert all(a["bits"] == 8 and a["accuracy_level"] == 4 for a in nodes.values())
+        assert not any(name.startswith("/target/") for name in nodes), graph
+    engine = open_engine(out)
+    hf = AutoModelForCausalLM.from_pretrained(pair.source.path, torch_dtype=torch.float32)
+    prompts = [pair.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=40)
+    speculative = engine.generate(prompts, params)
+    assert speculative.output_ids == [hf_greedy(hf, p, 40) for p in prompts]
+    assert max(speculative.acceptance_lengths(0)) > 1  # the draft's blocks were really verified
+    # a float record from before drafts could be quantized, and the same record with one: each reads as written
+    assert WeightFormat.from_dict({"format": "float", "schemes": [], "origin": None, "matrices": 0,
+                                   "gguf_sha256": None}).draft == "float"
+    assert WeightFormat.from_dict(want.to_dict()) == want
+
+
 def test_int4_settings_are_checked() -> None:
     from dlite_trt.engine.build import BuildSettings
 
@@ -665,11 +719,13 @@ def test_int4_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="accuracy level must be one of"):
         BuildSettings(weights="int4", int4_accuracy_level=2)
     with pytest.raises(ConfigError, match="runs at int4 accuracy level 4 only"):
-        BuildSettings(weights="int4", int4_accuracy_level=0, int4_draft="Q8_0")
-    with pytest.raises(ConfigError, match="an int4 engine's setting"):
-        BuildSettings(int4_draft="Q8_0")
+        BuildSettings(weights="int4", int4_accuracy_level=0, draft_weights="Q8_0")
+    with pytest.raises(ConfigError, match="not in a onnxruntime fp16 engine"):
+        BuildSettings(dtype="fp16", draft_weights="Q8_0")
+    with pytest.raises(ConfigError, match="not in a tensorrt fp32 engine"):
+        BuildSettings(backend="tensorrt", draft_weights="Q4_1")
     with pytest.raises(ConfigError, match="one of"):
-        BuildSettings(weights="int4", int4_draft="Q2_K")
+        BuildSettings(weights="int4", draft_weights="Q2_K")
     with pytest.raises(EngineError, match="draft format must be one of"):
         WeightFormat("int4", ("Q4_1",), RTN, 3, None, 0, "float", "Q8_0", 3)  # a quantized draft at level 0
 
@@ -679,6 +735,6 @@ def test_the_accuracy_level_option_needs_dtype_int4() -> None:
 
     from dlite_trt.cli.build import command
 
-    for option, value in (("--int4-accuracy-level", "0"), ("--int4-draft", "Q8_0")):
+    for option, value in (("--int4-accuracy-level", "0"), ("--int4-blocks", "ggml")):
         result = CliRunner().invoke(command, ["--out", "x", option, value])
         assert result.exit_code == 2 and f"{option} applies to --dtype int4 only" in result.output

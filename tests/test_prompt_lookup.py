@@ -238,10 +238,7 @@ def test_the_servers_step_after_a_skipped_draft_verifies_the_narrowest_block(wea
     """The same in the OpenAI server's scheduler (`--speculative dlite-ngram`, one request): a step
     call right after a decode-graph step verifies [anchor, d_1] alone, one after a step call the
     calibrated width (here fixed at 5); the tokens are target-only greedy's."""
-    import queue
-
     from dlite_trt.runtime.engine import UNDRAFTED_WIDTH, EngineGenerator
-    from dlite_trt.serve.scheduler import Scheduler
 
     hf, engine = weak_draft_case
     k = 5
@@ -249,7 +246,25 @@ def test_the_servers_step_after_a_skipped_draft_verifies_the_narrowest_block(wea
     calls, infer = [], engine.runner.infer
     monkeypatch.setattr(engine.runner, "infer", lambda graph, feeds, cache: (
         calls.append((graph, feeds["block"].shape[1] if graph == "step" else None)), infer(graph, feeds, cache))[1])
-    sched = Scheduler(EngineGenerator(engine.runner, engine.manifest, k), speculative="dlite-ngram").start()
+    assert _served(EngineGenerator(engine.runner, engine.manifest, k), prompt) == hf_greedy(hf, prompt, NEW)
+    pairs = list(zip(calls, calls[1:]))
+    after_skip = [width for (before, _), (graph, width) in pairs if before == "decode" and graph == "step"]
+    after_step = [width for (before, _), (graph, width) in pairs if before != "decode" and graph == "step"]
+    assert after_skip and set(after_skip) == {UNDRAFTED_WIDTH}
+    assert after_step and set(after_step) == {k + 1}
+
+
+def _served(gen, prompt: list[int], misses=None, **scheduler) -> list[int]:
+    """The tokens of one greedy request through the OpenAI server's scheduler (`--speculative dlite-ngram`),
+    its lookup's miss counts starting from ``misses`` where given."""
+    import queue
+
+    from dlite_trt.serve.scheduler import Scheduler
+
+    sched = Scheduler(gen, speculative="dlite-ngram", **scheduler)
+    if misses is not None:
+        sched.calls.misses = misses
+    sched.start()
     updates: queue.Queue = queue.Queue()
     try:
         sched.submit(prompt, SamplingParams(max_new_tokens=NEW), updates.put)
@@ -259,41 +274,75 @@ def test_the_servers_step_after_a_skipped_draft_verifies_the_narrowest_block(wea
             assert update.error is None, update.error
             tokens += update.tokens
             if update.finish_reason:
-                break
+                return tokens
     finally:
         sched.stop()
-    assert tokens == hf_greedy(hf, prompt, NEW)
-    pairs = list(zip(calls, calls[1:]))
-    after_skip = [width for (before, _), (graph, width) in pairs if before == "decode" and graph == "step"]
-    after_step = [width for (before, _), (graph, width) in pairs if before != "decode" and graph == "step"]
-    assert after_skip and set(after_skip) == {UNDRAFTED_WIDTH}
-    assert after_step and set(after_step) == {k + 1}
 
 
-@pytest.mark.parametrize("pays", [False, True])
-def test_a_miss_without_drafts_drafts_only_where_it_pays(weak_draft_case, monkeypatch, pays):
-    """A lookup miss right after a step that skipped the draft: under a calibrated table where a
-    drafted step gains nothing over decode calls, the session decodes one token on the decode graph
-    (no step call ever follows a decode call, and the draft counts as skipped at every such step);
-    where it gains a lot, it calls the step graph to draft, as without a table. Output: target-only
-    greedy either way."""
+# when drafting for the next step pays: a calibrated table (batch 1, 256 cached tokens) under which a drafted step
+# gains a lot or nothing, and the lookup's miss counts to start from (a thousand steps after a hit and after a miss)
+POLICIES = {"never": (0.02, 0.5, 0.5), "after a miss": (0.9, 0.01, 0.9), "always": (0.9, 0.9, 0.9)}
+
+
+def _policy(most: int, policy: str):
     from dlite_trt.runtime import verify_width
+    from dlite_trt.runtime.prompt_lookup import MissRuns
+
+    accept, after_hit, after_miss = POLICIES[policy]
+    costs = {w: 1.1 + 0.05 * w for w in range(1, most + 1)}  # a decode call costs 1.0
+    table = verify_width.choose(costs, [accept] * most, decode_ms=1.0, context_ms={256: (costs, 1.0)})
+    return table, MissRuns(1000, int(1000 * after_miss), 1000, int(1000 * after_hit))
+
+
+def _check_policy(policy: str, per_step: list[str], skipped: int) -> None:
+    """Never: no step call follows a decode-graph step (a miss there decodes); after a miss: one does,
+    and steps where the lookup proposes still skip the draft; always: no step skips the draft. Every
+    decode-graph step counts the draft as skipped."""
+    step_after_decode = any(a == "decode" and b == "step" for a, b in zip(per_step, per_step[1:]))
+    assert step_after_decode == (policy == "after a miss"), per_step
+    assert ("decode" in per_step) == (policy != "always"), per_step
+    assert skipped == per_step.count("decode")
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_dlite_ngram_drafts_for_the_next_step_only_where_it_pays(weak_draft_case, monkeypatch, policy):
+    """Whether a DLite + n-gram step drafts for the next one, under calibrated tables where a drafted
+    step gains nothing, or a lot with the lookup rarely missing after a hit (drafting pays at a miss
+    only), or often (it pays at every step). Output: target-only greedy each time."""
     from dlite_trt.runtime.engine import EngineGenerator
 
     hf, engine = weak_draft_case
-    k, most = 3, engine.cfg.num_proposals
-    curve = [0.9 if pays else 0.02] * most
-    costs = {w: 1.1 + 0.05 * w for w in range(1, most + 1)}  # a decode call costs 1.0
-    choice = verify_width.choose(costs, curve, decode_ms=1.0, context_ms={256: (costs, 1.0)})
-    gen = EngineGenerator(engine.runner, engine.manifest, k, widths=choice)
+    most = engine.cfg.num_proposals
+    table, misses = _policy(most, policy)
+    gen = EngineGenerator(engine.runner, engine.manifest, 3, widths=table)
     prompt = _unsettled_prompt(hf)
     calls, infer = [], engine.runner.infer
     monkeypatch.setattr(engine.runner, "infer", lambda graph, *args: (calls.append(graph), infer(graph, *args))[1])
     session = gen.session([prompt])
     drafter = PromptLookupDrafter(1, PromptLookupConfig(num_tokens=most))
+    drafter.misses = misses
     result = session._collect(lambda p, timer: session.stream(p, timer, lookup=drafter), SamplingParams(max_new_tokens=NEW))
     assert result.output_ids == [hf_greedy(hf, prompt, NEW)]
-    per_step = [g for g in calls if g != "prefill"]
-    step_after_decode = any(a == "decode" and b == "step" for a, b in zip(per_step, per_step[1:]))
-    assert step_after_decode == pays and drafter.misses.after_miss > 0, per_step
-    assert session.skipped_drafts == per_step.count("decode")
+    assert misses.after_miss > 1000 and misses.after_hit > 1000  # both kinds of step were counted
+    _check_policy(policy, [g for g in calls if g != "prefill"], session.skipped_drafts)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_the_server_drafts_for_the_next_step_only_where_it_pays(weak_draft_case, monkeypatch, policy):
+    """The same rule in the OpenAI server's scheduler (`--speculative dlite-ngram`), its skipped drafts
+    read from the server's metrics."""
+    from dlite_trt.runtime.engine import EngineGenerator
+    from dlite_trt.serve.metrics import ServerMetrics
+
+    hf, engine = weak_draft_case
+    most = engine.cfg.num_proposals
+    table, misses = _policy(most, policy)
+    prompt = _unsettled_prompt(hf)
+    calls, infer = [], engine.runner.infer
+    monkeypatch.setattr(engine.runner, "infer", lambda graph, *args: (calls.append(graph), infer(graph, *args))[1])
+    metrics = ServerMetrics(most)
+    gen = EngineGenerator(engine.runner, engine.manifest, 3, widths=table)
+    assert _served(gen, prompt, misses, metrics=metrics) == hf_greedy(hf, prompt, NEW)
+    assert misses.after_miss > 1000 and misses.after_hit > 1000
+    _check_policy(policy, [g for g in calls if g != "prefill"],
+                  metrics.registry.get_sample_value("dlite_draft_skipped_total"))

@@ -130,7 +130,7 @@ def test_a_session_takes_the_width_of_the_nearest_calibrated_context():
         verify_width.choose({1: 1.0}, [0.5], context_ms={0: ({1: 1.0}, 1.0)})
 
 
-def test_drafting_after_a_miss_pays_past_the_break_even_miss_rate():
+def test_drafting_for_the_next_step_pays_past_the_break_even_miss_rate():
     """At a lookup miss with no drafts: drafting (a step call emitting one token) pays when the misses
     expected next, p / (1 - p), times a drafted step's gain over decode calls exceed its cost over a
     decode call. By hand: k = 2 verifies 1 + 0.5 + 0.25 = 1.75 tokens for 13 ms against 17.5 ms of
@@ -138,19 +138,22 @@ def test_drafting_after_a_miss_pays_past_the_break_even_miss_rate():
     p / (1 - p) = 2 / 4.5, p = 4 / 13 = 0.3077 is the break-even."""
     costs = {1: 12.0, 2: 13.0}
     choice = verify_width.choose(costs, [0.5, 0.25], decode_ms=10.0, context_ms={256: (costs, 10.0)})
-    pays = [choice.drafting_pays_after_miss(1, 256, 1, p) for p in (0.0, 0.30, 0.31, 0.9, 1.0)]
+    pays = [choice.drafting_pays(1, 256, 1, p) for p in (0.0, 0.30, 0.31, 0.9, 1.0)]
     assert pays == [False, False, True, True, True]
     slow = verify_width.choose({1: 12.0, 2: 18.0}, [0.5, 0.25], context_ms={256: ({1: 12.0, 2: 18.0}, 10.0)})
     # k = 1 there: gain 3 ms, so p / (1 - p) must reach 2 / 3
-    assert not slow.drafting_pays_after_miss(1, 256, 1, 0.35) and slow.drafting_pays_after_miss(1, 256, 1, 0.45)
+    assert not slow.drafting_pays(1, 256, 1, 0.35) and slow.drafting_pays(1, 256, 1, 0.45)
     losing = verify_width.choose({1: 16.0, 2: 18.0}, [0.5, 0.25], context_ms={256: ({1: 16.0, 2: 18.0}, 10.0)})
-    assert not losing.drafting_pays_after_miss(1, 256, 1, 1.0)  # no width gains anything
-    assert verify_width.WidthChoice(1, [0.5], {1: 1.0}).drafting_pays_after_miss(1, 256, 1, 0.0)  # no table
+    assert not losing.drafting_pays(1, 256, 1, 1.0)  # no width gains anything
+    # at a step where the lookup proposes, the next step gains with probability p: p x 4.5 >= 2, p >= 0.444
+    assert [choice.drafting_pays(1, 256, 1, p, hit=True) for p in (0.0, 0.44, 0.45, 1.0)] == [False, False, True, True]
+    assert verify_width.WidthChoice(1, [0.5], {1: 1.0}).drafting_pays(1, 256, 1, 0.0)  # no table: at a miss
+    assert not verify_width.WidthChoice(1, [0.5], {1: 1.0}).drafting_pays(1, 256, 1, 1.0, hit=True)  # not at a hit
 
 
-def test_the_lookup_counts_misses_after_misses():
-    """``MissRuns``: a step counts when its row missed the step before; the rate has one repeat and one
-    hit as prior."""
+def test_the_lookup_counts_misses_after_misses_and_after_hits():
+    """``MissRuns``: a step counts by whether its row missed the step before; each rate has one miss and
+    one hit as prior."""
     from dlite_trt.runtime.prompt_lookup import PromptLookupDrafter
 
     drafter = PromptLookupDrafter(2)
@@ -162,6 +165,9 @@ def test_the_lookup_counts_misses_after_misses():
     # row 1: hit, miss, miss (repeat), hit (after a miss), miss -> 2 after a miss, 1 repeat
     assert (drafter.misses.after_miss, drafter.misses.repeated) == (5, 2)
     assert drafter.misses.rate() == 3 / 7
+    # and after a hit (a row's first step counts as one): row 0's steps 1 and 4 (both missed), row 1's 1, 2 and 5
+    assert (drafter.misses.after_hit, drafter.misses.missed_after_hit) == (5, 4)
+    assert drafter.misses.rate(after_miss=False) == 5 / 7
 
 
 @pytest.fixture(scope="module")

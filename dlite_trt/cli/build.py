@@ -38,11 +38,12 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "float. Speculative output equals the engine's target-only greedy at both levels with "
                    "--attention gqa; with --attention ops only at level 0 (a verify and a decode call sum "
                    "attention in another order, which level 4's int8 rounding turns into other tokens at near-ties).")
-@click.option("--int4-draft", "int4_draft", type=click.Choice(DRAFT_FORMATS), default=None,
-              help="With --dtype int4: how the draft's matrices (its layers' projections and its head's "
-                   "vocabulary-sized output projection) are stored [default: Q8_0 at accuracy level 4, float at "
-                   "level 0]. Quantized drafts run at level 4 only. Output stays exact at any setting (the target "
-                   "verifies every token); it moves the draft's cost and how many of its tokens are kept "
+@click.option("--draft-weights", "--int4-draft", "draft_weights", type=click.Choice(DRAFT_FORMATS), default=None,
+              help="How the draft's matrices (its layers' projections and its head's vocabulary-sized output "
+                   "projection) are stored [default: Q8_0 in onnxruntime fp32 engines and in int4 ones at accuracy "
+                   "level 4, else float]. Quantized drafts run on MatMulNBits with int8 activations (onnxruntime "
+                   "fp32 and int4 at level 4 only). Output stays exact at any setting (the target verifies every "
+                   "token in its own precision); it moves the draft's cost and how many of its tokens are kept "
                    "(docs/engine.md).")
 @click.option("--attention", type=click.Choice(["gqa", "ops"]), default=None,
               help="How the target attends over the KV cache [default: gqa for onnxruntime fp32 and int4 where "
@@ -66,7 +67,7 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "all K drafts).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str,
-            int4_accuracy_level: str | None, int4_blocks: str | None, int4_draft: str | None, attention: str | None,
+            int4_accuracy_level: str | None, int4_blocks: str | None, draft_weights: str | None, attention: str | None,
             workspace_gb: float,
             timing_cache: Path | None, max_seq_len: int | None,
             max_batch: int, max_chunk: int, random_weights: bool, no_calibrate: bool, quiet: bool) -> None:
@@ -81,8 +82,7 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     from dlite_trt.export.contract import EngineLimits
 
     check_random_weights(random_weights, target)
-    for option, value in (("--int4-accuracy-level", int4_accuracy_level), ("--int4-draft", int4_draft),
-                          ("--int4-blocks", int4_blocks)):
+    for option, value in (("--int4-accuracy-level", int4_accuracy_level), ("--int4-blocks", int4_blocks)):
         if value is not None and dtype != "int4":
             raise click.UsageError(f"{option} applies to --dtype int4 only.")
     hf_logging.disable_progress_bar()
@@ -90,7 +90,7 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     dtype, weights = WEIGHT_ONLY_DTYPES.get(dtype, (dtype, "float"))
     level = {} if int4_accuracy_level is None else {"int4_accuracy_level": int(int4_accuracy_level)}
     settings = BuildSettings(backend=backend, dtype=dtype, weights=weights, random_weights=random_weights,
-                             workspace_gb=workspace_gb, attention=attention, int4_draft=int4_draft,
+                             workspace_gb=workspace_gb, attention=attention, draft_weights=draft_weights,
                              int4_blocks=int4_blocks or DEFAULT_BLOCKS, **level,
                              timing_cache=timing_cache, fit_seq_len_to_target=max_seq_len is None,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,

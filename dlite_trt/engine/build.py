@@ -28,6 +28,7 @@ from dlite_trt.engine.manifest import (
     GRAPH_DIR,
     GQA_BUILDS,
     MANIFEST,
+    QUANTIZED_DRAFT_BUILDS,
     Manifest,
     WeightFormat,
     checkpoint_sha256,
@@ -39,7 +40,7 @@ from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
 from dlite_trt.export.cache_attention import GQA_HEAD_DIM_MULTIPLE, GQA_UNAVAILABLE, onnxruntime_takes_query_seqlens
 from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, EngineLimits, engine_contract
-from dlite_trt.export.int4 import ACCURACY_LEVELS, DRAFT_FORMATS, plan_int4, quantize_graph, with_draft
+from dlite_trt.export.int4 import ACCURACY_LEVELS, DRAFT_FORMATS, draft_only, plan_int4, quantize_graph, with_draft
 from dlite_trt.export.nbits_levels import (
     BLOCK_FORMS,
     DEFAULT_BLOCKS,
@@ -60,8 +61,8 @@ class BuildSettings:
     weights: str = "float"  # "int4": the target's projections 4-bit weight-only (export/int4.py)
     # int4: MatMulNBits accuracy_level, 4 (and an 8-bit head) or 0; None: default_accuracy_level(attention), at build
     int4_accuracy_level: int | None = None
-    # int4: the draft's matrices, one of DRAFT_FORMATS; None: default_draft_format(level), at build
-    int4_draft: str | None = None
+    # the draft's matrices, one of DRAFT_FORMATS (quantized: QUANTIZED_DRAFT_BUILDS); None: default_draft_format()
+    draft_weights: str | None = None
     # int4: the target's blocks, one of BLOCK_FORMS (export/nbits_levels.py)
     int4_blocks: str = DEFAULT_BLOCKS
     # how the target attends over the KV cache (export/contract.py ATTENTIONS); None: default_attention(),
@@ -97,13 +98,17 @@ class BuildSettings:
                               f"{self.int4_accuracy_level!r}")
         if self.int4_blocks not in BLOCK_FORMS:
             raise ConfigError(f"int4 blocks must be one of {BLOCK_FORMS}, got {self.int4_blocks!r}")
-        if self.int4_draft is not None and (self.weights != "int4" or self.int4_draft not in DRAFT_FORMATS):
-            raise ConfigError(f"the draft's format is an int4 engine's setting, one of {DRAFT_FORMATS}; got "
-                              f"{self.int4_draft!r} for {self.weights} weights")
-        if self.int4_draft not in (None, "float") and self.int4_accuracy_level == FP32_COMPUTE:
-            raise ConfigError(f"a {self.int4_draft} draft runs at int4 accuracy level {INT8_ACTIVATIONS} only (at "
+        if self.draft_weights is not None and self.draft_weights not in DRAFT_FORMATS:
+            raise ConfigError(f"the draft's weights are one of {DRAFT_FORMATS}, not {self.draft_weights!r}")
+        if self.draft_weights not in (None, "float") and (self.backend, self.dtype) not in QUANTIZED_DRAFT_BUILDS:
+            raise ConfigError(f"a {self.draft_weights} draft runs on ONNX Runtime's MatMulNBits with fp32 activations "
+                              f"({QUANTIZED_DRAFT_BUILDS}), not in a {self.backend} {self.dtype} engine; use "
+                              "--draft-weights float there")
+        if self.draft_weights not in (None, "float") and self.weights == "int4" and \
+                self.int4_accuracy_level == FP32_COMPUTE:
+            raise ConfigError(f"a {self.draft_weights} draft runs at int4 accuracy level {INT8_ACTIVATIONS} only (at "
                               f"level {FP32_COMPUTE} a product of more than one row dequantizes the whole matrix "
-                              "first); use --int4-draft float there")
+                              "first); use --draft-weights float there")
 
 
 def default_attention(backend: str, dtype: str, head_dim: int) -> str:
@@ -125,10 +130,9 @@ def resolve(settings: BuildSettings, head_dim: int) -> BuildSettings:
         raise ConfigError(f"attention 'gqa': ONNX Runtime's GroupQueryAttention takes a head_dim that is a multiple "
                           f"of {GQA_HEAD_DIM_MULTIPLE}, this target's is {head_dim}; use attention 'ops'")
     level = default_accuracy_level(attention) if settings.int4_accuracy_level is None else settings.int4_accuracy_level
-    draft = settings.int4_draft
-    if settings.weights == "int4" and draft is None:
-        draft = default_draft_format(level)
-    return replace(settings, attention=attention, int4_accuracy_level=level, int4_draft=draft)  # checked again
+    quantizable = (settings.backend, settings.dtype) in QUANTIZED_DRAFT_BUILDS
+    draft = settings.draft_weights or default_draft_format(settings.weights, level, quantizable)
+    return replace(settings, attention=attention, int4_accuracy_level=level, draft_weights=draft)  # checked again
 
 
 def package_versions() -> dict[str, str]:
@@ -232,9 +236,12 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
         if int4:
             advance("int4: the target's projection matrices in 4-bit blocks (a GGUF's own, else round-to-nearest)")
             plan = with_draft(plan_int4(pair.generator.target, spec, pair.source.path, settings.int4_accuracy_level,
-                                        settings.int4_blocks), pair.generator.draft, settings.int4_draft)
+                                        settings.int4_blocks), pair.generator.draft, settings.draft_weights)
             weights = WeightFormat("int4", plan.schemes, plan.origin, len(plan.matrices), plan.gguf_sha256,
                                    plan.accuracy_level, plan.head_format, plan.draft_format, len(plan.draft))
+        elif settings.draft_weights != "float":
+            plan = with_draft(draft_only(), pair.generator.draft, settings.draft_weights)
+            weights = WeightFormat(draft=plan.draft_format, draft_matrices=len(plan.draft))
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         try:
             def graph_job(name: str) -> dict[str, str]:

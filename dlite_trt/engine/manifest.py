@@ -43,6 +43,7 @@ HASH_AT_LOAD_MAX_BYTES = 64 << 20  # files up to this size are hashed on every l
 BACKEND_DTYPES = {"onnxruntime": ("fp32", "fp16"), "tensorrt": ("fp32", "fp16", "bf16")}  # what each builds
 BACKEND_WEIGHTS = {"onnxruntime": WEIGHT_FORMATS, "tensorrt": ("float",)}  # int4: MatMulNBits, ONNX Runtime only
 GQA_BUILDS = (("onnxruntime", "fp32"),)  # (backend, dtype) of engines attention "gqa" runs in (int4 included)
+QUANTIZED_DRAFT_BUILDS = (("onnxruntime", "fp32"),)  # where the draft's matrices may run on MatMulNBits (int4 too)
 
 
 WEIGHT_ORIGINS = ("gguf", "round-to-nearest")  # int4: the GGUF's own blocks, or quantized at build
@@ -60,9 +61,10 @@ class WeightFormat:
     4-bit blocks (``schemes``, e.g. Q4_1) on ONNX Runtime's MatMulNBits, from ``origin``: the GGUF's
     own blocks (``gguf_sha256``) or round-to-nearest at build; run at MatMulNBits ``accuracy_level``
     4 (int8 activations per block) or 0 (fp32 compute); ``head`` "Q8_0": the LM head as 8-bit
-    blocks from the same origin (level 4 only), "float": in ``dtype``; ``draft`` "Q8_0" / "Q4_1": the
-    draft's ``draft_matrices`` matrices (its layers' projections and its head's output projection)
-    round-to-nearest in those blocks (level 4 only), "float": in ``dtype``; everything else in ``dtype``.
+    blocks from the same origin (level 4 only), "float": in ``dtype``; everything else in ``dtype``.
+    ``draft`` "Q8_0" / "Q4_1" (any format; in an int4 engine at level 4 only): the draft's
+    ``draft_matrices`` matrices (its layers' projections and its head's output projection)
+    round-to-nearest in those blocks, run at accuracy level 4; "float": in ``dtype``.
     An int4 record always states its accuracy level and head (``from_dict`` refuses one without:
     an engine built one way is never read as the other); one without ``draft`` was built before the
     draft could be quantized, and its draft is float."""
@@ -95,20 +97,20 @@ class WeightFormat:
             raise EngineError(f"LM head format must be one of {HEAD_FORMATS}, {HEAD_SCHEME} only at accuracy level "
                               f"{INT8_ACTIVATIONS}; got {self.head!r} at level {self.accuracy_level!r}")
         if self.draft not in DRAFT_FORMATS or (self.draft != "float") != (self.draft_matrices > 0) or (
-                self.draft != "float" and self.accuracy_level != INT8_ACTIVATIONS):
-            raise EngineError(f"draft format must be one of {DRAFT_FORMATS} (quantized only at accuracy level "
-                              f"{INT8_ACTIVATIONS}, with its matrix count); got {self.draft!r}, {self.draft_matrices} "
-                              f"matrices at level {self.accuracy_level!r}")
+                self.draft != "float" and quantized and self.accuracy_level != INT8_ACTIVATIONS):
+            raise EngineError(f"draft format must be one of {DRAFT_FORMATS} (with its matrix count; in an int4 engine "
+                              f"quantized only at accuracy level {INT8_ACTIVATIONS}); got {self.draft!r}, "
+                              f"{self.draft_matrices} matrices at level {self.accuracy_level!r}")
 
     def describe(self, dtype: str) -> str:
         """``fp32`` / ``int4 weights (Q4_1 from the GGUF, exact, 210 target matrices; LM head Q8_0),
         int8 activations in the quantized matmuls (accuracy level 4), fp32 elsewhere``."""
+        draft = f"draft {self.draft} ({self.draft_matrices} matrices)" if self.draft != "float" else f"draft {dtype}"
         if self.format == "float":
-            return dtype
+            return dtype if self.draft == "float" else f"{dtype}; {draft}, {ACCURACY_MEANING[INT8_ACTIVATIONS]}"
         refit = "re-fitted from the GGUF's blocks" if ZP_SCHEME in self.schemes else "from the GGUF, exact"
         origin = refit if self.origin == "gguf" else "quantized round-to-nearest at build"
         head = f"LM head {self.head}" if self.head != "float" else f"LM head {dtype}"
-        draft = f"draft {self.draft} ({self.draft_matrices} matrices)" if self.draft != "float" else f"draft {dtype}"
         return (f"{self.format} weights ({'/'.join(self.schemes)} {origin}, {self.matrices} target matrices; {head}; "
                 f"{draft}), {ACCURACY_MEANING[self.accuracy_level]}, {dtype} elsewhere")
 
@@ -236,6 +238,10 @@ class Manifest:
             raise EngineError(f"{where}: a {self.backend} {self.dtype} engine with attention {self.attention!r} is not "
                               f"something this dlite-trt runs (attention {' or '.join(ATTENTIONS)}; gqa in "
                               f"{GQA_BUILDS}). Rebuild the engine.")
+        if self.weights.draft != "float" and (self.backend, self.dtype) not in QUANTIZED_DRAFT_BUILDS:
+            raise EngineError(f"{where}: a {self.backend} {self.dtype} engine with a {self.weights.draft} draft is not "
+                              f"something this dlite-trt runs (quantized drafts in {QUANTIZED_DRAFT_BUILDS}). Rebuild "
+                              "the engine.")
         want = engine_contract(self.target_spec, self.draft_config, self.limits, self.dtype, self.attention)
         if {n: g.to_dict() for n, g in want.items()} != {n: g.to_dict() for n, g in self.contract.items()}:
             raise EngineError(f"{where}: the I/O contract does not match the target/draft configs and limits it "

@@ -16,7 +16,7 @@ What is quantized and what stays float (``dlite-trt build --dtype int4``):
   blocks when the file stores it as Q8_0 (SmolLM2's tied token_embd), else round-to-nearest Q8_0
   by gguf's quantizer for a target that is no GGUF. A GGUF head of another type stays float.
 - 8-bit (Q8_0, the default) or 4-bit (Q4_1), at accuracy level 4 only (``with_draft``,
-  ``--int4-draft``): the draft's matrices that run as a product of activations and a weight,
+  ``--draft-weights``; in fp32 engines too, ``draft_only``): the draft's matrices that run as a product of activations and a weight,
   round-to-nearest: every ``nn.Linear`` of its layers and its head's vocabulary-sized output
   projection (``draft_projections``). They sit outside ``/target/``; the head's products are inside
   the ``LowRankRecurrence`` function, which ``quantize_graph`` inlines first (ONNX Runtime inlines it
@@ -24,7 +24,7 @@ What is quantized and what stays float (``dlite-trt build --dtype int4``):
 - float (the engine's dtype, fp32): the activations between the matmuls, the embedding Gather
   (also where the draft reads the target's embedding), every norm, the projection biases, the
   draft's head's small Gemms (state_proj, state_hidden_mlp), the whole draft with
-  ``--int4-draft float`` (the default at level 0), and the LM head at accuracy level 0
+  ``--draft-weights float`` (the default at level 0), and the LM head at accuracy level 0
   (``MatMulNBits`` bits=8 has no fast fp32 kernel on ONNX Runtime's CPU provider: 364 ms for
   SmolLM2's [1, 576] x [576, 49152] head against 16 ms as a float MatMul and 9.5 ms at level 4).
 
@@ -471,6 +471,12 @@ def plan_int4(target, spec, target_dir: Path | None, accuracy_level: int = DEFAU
     return Int4Plan(GGUF, matrices, keys, read_import_record(target_dir)["sha256"], accuracy_level, head)
 
 
+def draft_only() -> Int4Plan:
+    """The plan of an engine whose target stays float: no target matrix, the draft's (``with_draft``)
+    at accuracy level 4, its blocks quantized round-to-nearest at build."""
+    return Int4Plan(RTN, {}, accuracy_level=INT8_ACTIVATIONS)
+
+
 def with_draft(plan: Int4Plan, draft, scheme: str) -> Int4Plan:
     """``plan`` plus the draft's matrices (``draft_projections``) round-to-nearest in ``scheme`` (Q8_0 or
     Q4_1); "float": ``plan`` as it is. A matrix whose input dim is no multiple of 32 stays float."""
@@ -683,6 +689,8 @@ def quantize_graph(path: Path, plan: Int4Plan) -> int:
     path = Path(path)
     model = onnx.load(str(path))  # with its external data
     runs_draft = bool(plan.draft) and bool(recurrence_nodes(model))
+    if not plan.names and not runs_draft:  # a draft-only plan and a graph without the draft: as it is
+        return 0
     if runs_draft:  # the head's products are in the recurrence's body: inline it (ONNX Runtime would anyway)
         model = onnx.inliner.inline_local_functions(model)
     count = quantize_model(model, plan, str(path), runs_draft)

@@ -2,7 +2,7 @@
 manifest is read by every command)."""
 
 HEAD_SCHEME = "Q8_0"  # the LM head's blocks, at accuracy level 4
-DRAFT_FORMATS = ("float", HEAD_SCHEME, "Q4_1")  # how an int4 engine stores the draft's matrices (not float: level 4)
+DRAFT_FORMATS = ("float", HEAD_SCHEME, "Q4_1")  # how an engine stores the draft's matrices (not float: at level 4)
 INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block
 FP32_COMPUTE = 0  # MatMulNBits accuracy_level: fp32 compute on the dequantized weights
 ACCURACY_LEVELS = (INT8_ACTIVATIONS, FP32_COMPUTE)
@@ -23,8 +23,13 @@ def default_accuracy_level(attention: str) -> int:
     return DEFAULT_ACCURACY_LEVEL if attention == "gqa" else FP32_COMPUTE
 
 
-def default_draft_format(accuracy_level: int) -> str:
-    """The draft's matrices in an int4 engine: Q8_0 at level 4 (docs/engine.md: the draft's share of an
-    int4 step, and its acceptance, measured per format), float at level 0 (a MatMulNBits of more than
-    one row dequantizes its whole matrix first there, and the draft's backbone runs G + K rows)."""
-    return HEAD_SCHEME if accuracy_level == INT8_ACTIVATIONS else "float"
+def default_draft_format(weights: str, accuracy_level: int | None, quantizable: bool) -> str:
+    """How the draft's matrices are stored (``quantizable``: the engine runs ONNX Runtime's MatMulNBits
+    on fp32 activations, ``manifest.QUANTIZED_DRAFT_BUILDS``). Q8_0 at accuracy level 4, in an int4
+    engine at level 4 and in an fp32 one (docs/engine.md: the draft's share of a step and its acceptance,
+    measured per format; the target still verifies every token in its own precision, so output is
+    unchanged); float elsewhere: an int4 engine at level 0 (a MatMulNBits of more than one row
+    dequantizes its whole matrix first there, and the draft's backbone runs G + K rows), TensorRT, fp16."""
+    if not quantizable or (weights == "int4" and accuracy_level != INT8_ACTIVATIONS):
+        return "float"
+    return HEAD_SCHEME

@@ -119,6 +119,16 @@ class EngineGenerator(GeneratorBase):
             return self.verify_drafts
         return self.widths.drafts_for(batch, drafting=drafting, context=context)
 
+    def drafting_pays(self, batch: int, context: int, misses: Any, *, hit: bool) -> bool:
+        """Whether a DLite + n-gram step should draft for the next step (a step call; at a miss with no
+        drafts at hand it emits the target's token alone, ``UNDRAFTED_WIDTH``) rather than run the decode
+        graph without the draft: ``WidthChoice.drafting_pays`` at ``batch`` rows, the longest with
+        ``context`` cached tokens, from the lookup's ``misses`` (``MissRuns``) after a hit (``hit``: every
+        row's lookup proposes now) or after a miss. Without a calibrated table: at a miss only."""
+        if self.widths is None:
+            return not hit
+        return self.widths.drafting_pays(batch, context, UNDRAFTED_WIDTH - 1, misses.rate(after_miss=not hit), hit=hit)
+
     def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:
         return EngineSession(self, prompts)
 
@@ -221,16 +231,18 @@ class EngineSession(SessionBase):
         """Yield the tokens each engine call emits, per sequence, until every sequence stops.
 
         ``lookup`` (greedy only; a ``PromptLookupDrafter``): where n-gram prompt lookup finds a match,
-        its proposal replaces the draft's in the block the step verifies (``_looked_up``). When
-        every running sequence has a match, the draft is not needed: the step verifies the
+        its proposal replaces the draft's in the block the step verifies (``_looked_up``). The draft's
+        drafts are needed only at a later miss, so a step runs the draft only where that pays
+        (``EngineGenerator.drafting_pays``, from how often the lookup has missed right after a hit and
+        right after a miss, ``MissRuns``, and the engine's calibrated costs): when every running
+        sequence has a match and drafting for the next step does not pay, the step verifies the
         proposals through the ``decode`` graph (as n-gram lookup alone does) and skips the draft
         (counted in ``skipped_drafts``); the next ``step`` call then holds no drafts made from its
-        anchors, so it verifies the narrowest block (``UNDRAFTED_WIDTH``, wider only for a
-        proposal), keeps the target's token and drafts again, where drafting then pays: a miss with no
-        drafts at hand runs that call only when the misses expected to follow it (from how often the
-        lookup has missed right after a miss, ``MissRuns``) gain more than the call costs over a decode
-        call (``_drafting_pays``), else it decodes one token as n-gram lookup alone does. Verification
-        does not care where drafts came from, so the output stays the target's greedy output.
+        anchors, so it verifies the narrowest block (``UNDRAFTED_WIDTH``, wider only for a proposal),
+        keeps the target's token and drafts again, which at a miss runs only when the misses expected
+        to follow gain more than the call costs over a decode call, else the step decodes one token as
+        n-gram lookup alone does. Verification does not care where drafts came from, so the output
+        stays the target's greedy output.
 
         Greedy runs use the ``prefill``/``step`` graphs; sampling runs the ``*_sampling`` ones,
         with uniforms drawn in the reference's order (anchor, then per step: accept tests,
@@ -266,10 +278,11 @@ class EngineSession(SessionBase):
         while any(self._active):
             most = min(self.k, self.max_verify_tokens() - 1)  # a skip step verifies on the decode graph
             proposals = None if lookup is None else self._proposals(lookup, most)
-            if proposals is not None and (all(p for p, a in zip(proposals, self._active, strict=True) if a) or
-                                          not drafted and not self._drafting_pays(lookup.misses.rate())):
-                with timer.time("verify"):  # every running row has a proposal (or a miss the draft would not
-                    # pay for: those rows decode one token): no draft this step
+            hit = proposals is not None and all(p for p, a in zip(proposals, self._active, strict=True) if a)
+            if proposals is not None and (hit or not drafted) and \
+                    not self.gen.drafting_pays(self.batch_size, max(self.cache_len), lookup.misses, hit=hit):
+                with timer.time("verify"):  # every running row has a proposal, or a miss with no drafts at
+                    # hand (those rows decode one token), and drafting for the next step would not pay
                     event = self._verify_proposals(proposals, params, draw)
                 block = np.array([[t[-1]] + [0] * k for t in self.tokens], np.int64)  # the anchors; no drafts
                 if self.g > 1:
@@ -311,14 +324,6 @@ class EngineSession(SessionBase):
             if active:
                 lookup.record(row, proposals[-1])
         return proposals
-
-    def _drafting_pays(self, miss_rate: float) -> bool:
-        """At a lookup miss with no drafts at hand: whether to draft now (a step call that emits the
-        target's token alone, ``UNDRAFTED_WIDTH``) for the misses expected next, rather than decode
-        (``WidthChoice.drafting_pays_after_miss``); always without a calibrated table."""
-        widths = self.gen.widths
-        return widths is None or widths.drafting_pays_after_miss(self.batch_size, max(self.cache_len),
-                                                                 UNDRAFTED_WIDTH - 1, miss_rate)
 
     def _looked_up(self, block: np.ndarray, width: int, proposals: list[list[int]]) -> np.ndarray:
         """[anchor, drafts]: per active row the n-gram proposal after its tokens (which end with the

@@ -64,16 +64,30 @@ class NgramIndex:
 
 @dataclass
 class MissRuns:
-    """How often the lookup misses (proposes nothing) right after a miss, counted over a drafter's
-    rows and turns: ``rate`` is P(miss | the row's previous step missed), with one repeat and one
-    hit as the prior (0.5 before anything is seen). DLite + n-gram reads it to decide whether a miss
-    with no drafts at hand should run the draft (``WidthChoice.drafting_pays_after_miss``)."""
+    """How often the lookup misses (proposes nothing) right after a miss, and right after a hit,
+    counted over a drafter's rows and turns: ``rate(after_miss)`` is P(miss | the row's previous step
+    missed, or hit), with one miss and one hit as the prior (0.5 before anything is seen; a row's
+    first step counts as after a hit). DLite + n-gram reads it to decide whether a step should run
+    the draft for the next one (``WidthChoice.drafting_pays``)."""
 
     after_miss: int = 0  # steps whose row missed the step before
     repeated: int = 0  # of those, the ones that missed again
+    after_hit: int = 0  # steps whose row had a proposal the step before
+    missed_after_hit: int = 0  # of those, the ones that missed
 
-    def rate(self) -> float:
-        return (self.repeated + 1) / (self.after_miss + 2)
+    def rate(self, after_miss: bool = True) -> float:
+        if after_miss:
+            return (self.repeated + 1) / (self.after_miss + 2)
+        return (self.missed_after_hit + 1) / (self.after_hit + 2)
+
+    def record(self, missed_before: bool, missed: bool) -> None:
+        """Count one row's step: whether its lookup missed the step before, and now."""
+        if missed_before:
+            self.after_miss += 1
+            self.repeated += missed
+        else:
+            self.after_hit += 1
+            self.missed_after_hit += missed
 
 
 class PromptLookupDrafter:
@@ -89,11 +103,8 @@ class PromptLookupDrafter:
 
     def record(self, row: int, proposal: Sequence[int]) -> None:
         """Count a proposal a step verified (or its absence) in ``misses``."""
-        missed = not proposal
-        if self._missed[row]:
-            self.misses.after_miss += 1
-            self.misses.repeated += missed
-        self._missed[row] = missed
+        self.misses.record(self._missed[row], not proposal)
+        self._missed[row] = not proposal
 
     def sync(self, tokens: Sequence[Sequence[int]]) -> int:
         """Index what the sequences gained outside decoding (a prompt, an appended turn); returns the count."""

@@ -48,7 +48,7 @@ from typing import Any
 from dlite_trt.errors import DLiteError, EngineError
 
 WIDTH_FILE = "verify_width.json"
-MAX_MISS_RATE = 0.95  # caps p in drafting_pays_after_miss (p / (1 - p) grows without bound)
+MAX_MISS_RATE = 0.95  # caps p in drafting_pays (p / (1 - p) grows without bound)
 
 
 def acceptance_curve(accepted: Sequence[int], max_drafts: int) -> list[float]:
@@ -150,21 +150,24 @@ class WidthChoice:
             return self.by_batch[next((b for b in sizes if b >= batch), sizes[-1])]
         return None
 
-    def drafting_pays_after_miss(self, batch: int, context: int, undrafted: int, p_miss: float) -> bool:
-        """Whether a step with no drafts at hand (n-gram lookup missed right after a step that skipped
-        the draft) should run the step graph at ``undrafted`` drafts, emitting one token at its cost,
-        so that the next step has drafts, rather than a decode call. It pays when the misses expected
-        to follow this one, p / (1 - p) with p = P(a miss follows a miss), each win what a drafted step
-        gains over decode calls (E[tokens | k] x decode - step(k)) more than the step costs over a
-        decode call now (step(undrafted) - decode). True without a calibrated table."""
+    def drafting_pays(self, batch: int, context: int, undrafted: int, p_miss: float, *, hit: bool = False) -> bool:
+        """Whether a step of DLite + n-gram lookup should run the step graph, and so draft for the next
+        step, rather than a decode call without the draft. The drafts pay only at a later lookup miss,
+        each such step gaining what a drafted step gains over decode calls,
+        gain = E[tokens | k] x decode - step(k); drafting now costs overhead = step(undrafted) - decode
+        (the call emits what the decode call would). At a miss with no drafts at hand (``hit`` False;
+        ``p_miss`` = P(a miss follows a miss)) the misses expected to follow, p / (1 - p), each gain;
+        at a step where every row's lookup proposes (``hit``; ``p_miss`` = P(a miss follows a hit)) the
+        next step gains with probability p. It pays where that expected gain is at least the overhead.
+        Without a calibrated table: True at a miss (drafting as plain DLite would), False at a hit."""
         width = self.costs_for(batch, context)
         if width is None:
-            return True
+            return not hit
         k = self.drafts_for(batch, drafting=True, context=context)
         gain = expected_tokens(self.curve, k) * width.decode_ms - width.step_ms[k]
         overhead = width.step_ms[undrafted] - width.decode_ms
         p = min(p_miss, MAX_MISS_RATE)
-        return gain > 0 and p / (1.0 - p) * gain >= overhead
+        return gain > 0 and (p if hit else p / (1.0 - p)) * gain >= overhead
 
     def rows(self) -> dict[int, dict[str, float]]:
         """Per k: tokens per step, step ms, tokens per ms and (with decode_ms) the predicted speedup."""

@@ -43,7 +43,7 @@ from dlite_trt.runtime.engine import (
     padded_ids,
 )
 from dlite_trt.runtime.kv_cache import GRANULE, KVCache
-from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig
+from dlite_trt.runtime.prompt_lookup import MissRuns, NgramIndex, PromptLookupConfig
 from dlite_trt.runtime.sampling import is_greedy
 from dlite_trt.runtime.session import SamplingParams, cut_emission
 from dlite_trt.serve.metrics import ServerMetrics
@@ -466,23 +466,34 @@ class _DLiteNgramCalls(_DLiteCalls):
     """DLite + n-gram prompt lookup (greedy batches): a row's lookup proposal, where it has one,
     replaces its drafts in the block the step verifies; when every row has one, the target alone
     verifies them on the decode graph and the draft is skipped (``dlite_draft_skipped_total``),
-    and the next step call drafts again. A batch with a sampled row runs plain DLite."""
+    unless drafting for the next step pays; when no row holds drafts (the last step skipped the
+    draft) and some row's lookup misses, the step call (the target's token alone for those rows)
+    runs only where the misses expected next pay for it, else rows without a proposal decode one
+    token. Both decisions are ``EngineGenerator.drafting_pays``, from how often a row's lookup has
+    missed right after a hit and right after a miss, over the server's rows (``misses``), as a DLite
+    + n-gram session decides them. A batch with a sampled row runs plain DLite."""
 
     def __init__(self, sched: Scheduler) -> None:
         super().__init__(sched, ngram=True)
+        self.misses = MissRuns()
 
     def prefill(self, rows: list[_Row], view: KVCache) -> list[_Result]:
         results = super().prefill(rows, view)
         for result in results:
-            result.state["ngram"] = NgramIndex(self.decode.lookup)
+            result.state |= {"ngram": NgramIndex(self.decode.lookup), "missed": False}
         return results
 
     def step(self, rows: list[_Row], view: KVCache) -> list[_Result]:
         if any(r.sampling for r in rows):
             return super().step(rows, view)
         proposals = [r.state["ngram"].propose(r.tokens, min(self.k, self.decode.width - 1)) for r in rows]
-        k = self.drafts_for(rows)
-        if all(proposals) or k == 0:  # where the batch's width is 0, rows without a proposal decode one token
+        for row, proposal in zip(rows, proposals, strict=True):
+            self.misses.record(row.state["missed"], not proposal)
+            row.state["missed"] = not proposal
+        k, hit, drafted = self.drafts_for(rows), all(proposals), any(r.state["drafted"] for r in rows)
+        # where the batch's width is 0, or drafting would not pay, rows without a proposal decode one token
+        if k == 0 or (hit or not drafted) and not self.sched.generator.drafting_pays(
+                len(rows), max(r.cache_len for r in rows), self.misses, hit=hit):
             return self._without_draft(rows, view, proposals)
         width = max(self._greedy_width(rows, k), *(len(p) + 1 for p in proposals))
         block = np.stack([r.state["block"][:width] for r in rows])
