@@ -701,6 +701,12 @@ def test_an_fp32_engine_drafts_through_8_bit_blocks_and_stays_lossless(bundled_f
     speculative = engine.generate(prompts, params)
     assert speculative.output_ids == [hf_greedy(hf, p, 40) for p in prompts]
     assert max(speculative.acceptance_lengths(0)) > 1  # the draft's blocks were really verified
+    # a quantized draft only where MatMulNBits runs it (not in a TensorRT engine's manifest)
+    from dlite_trt.engine.manifest import Manifest
+
+    data = manifest.to_dict() | {"backend": "tensorrt", "attention": "ops"}
+    with pytest.raises(EngineError, match="tensorrt fp32 engine with a Q8_0 draft is not something"):
+        Manifest.from_dict(data, "m.json")
     # a float record from before drafts could be quantized, and the same record with one: each reads as written
     assert WeightFormat.from_dict({"format": "float", "schemes": [], "origin": None, "matrices": 0,
                                    "gguf_sha256": None}).draft == "float"

@@ -151,7 +151,7 @@ def test_a_tensorrt_engine_without_tensorrt_is_a_clear_error(tiny_pair, tmp_path
 
     engine = tmp_path / "engine"
     build_engine(*tiny_pair, engine, BuildSettings(limits=EngineLimits(max_batch=1, max_seq_len=64, max_chunk=16),
-                                                   attention="ops"),  # what a TensorRT build exports
+                                                   attention="ops", draft_weights="float"),  # as a TensorRT build
                  progress=False)
     manifest = json.loads((engine / "manifest.json").read_text())
     manifest["backend"] = "tensorrt"
