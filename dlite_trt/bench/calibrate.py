@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from dlite_trt.bench.context_cost import burst_medians, decode_feed
+from dlite_trt.bench.context_cost import burst_medians, decode_feed, timing_cache
 from dlite_trt.bench.workloads import chat, held_out_ids, source_files
 from dlite_trt.errors import DLiteError
 from dlite_trt.export.contract import dummy_inputs
@@ -74,8 +74,7 @@ def call_ms(gen: EngineGenerator, context: int, runs: int,
     rng = np.random.default_rng(0)
     calls = {}
     for batch in batches:
-        cache = gen.runner.new_cache(batch)
-        cache.ensure_capacity(context + 2 * gen.cfg.block_size)
+        cache = timing_cache(gen.runner, batch, context + 2 * gen.cfg.block_size)
         sizes = {"batch": batch, "cache": cache.capacity}
         named = {}
         for k in range(1, k_max + 1):
