@@ -119,12 +119,16 @@ class EngineGenerator(GeneratorBase):
             return self.verify_drafts
         return self.widths.drafts_for(batch, drafting=drafting, context=context)
 
-    def drafting_pays(self, batch: int, context: int, misses: Any, *, hit: bool) -> bool:
-        """Whether a DLite + n-gram step should draft for the next step (a step call; at a miss with no
-        drafts at hand it emits the target's token alone, ``UNDRAFTED_WIDTH``) rather than run the decode
-        graph without the draft: ``WidthChoice.drafting_pays`` at ``batch`` rows, the longest with
-        ``context`` cached tokens, from the lookup's ``misses`` (``MissRuns``) after a hit (``hit``: every
-        row's lookup proposes now) or after a miss. Without a calibrated table: at a miss only."""
+    def runs_step_graph(self, batch: int, context: int, misses: Any, *, hit: bool, drafted: bool) -> bool:
+        """Whether a greedy DLite + n-gram step runs the step graph (verifying the block and drafting
+        for the next step) rather than the decode graph without the draft. ``hit``: every row's lookup
+        proposes now; ``drafted``: some row holds drafts made from its anchor. A miss with drafts at
+        hand verifies them (always); otherwise it runs only where drafting for the next step pays
+        (``WidthChoice.drafting_pays`` at ``batch`` rows, the longest with ``context`` cached tokens,
+        from the lookup's ``misses`` (``MissRuns``) after a hit or after a miss; at a miss it emits the
+        target's token alone, ``UNDRAFTED_WIDTH``). Without a calibrated table: at a miss only."""
+        if drafted and not hit:
+            return True
         if self.widths is None:
             return not hit
         return self.widths.drafting_pays(batch, context, UNDRAFTED_WIDTH - 1, misses.rate(after_miss=not hit), hit=hit)
@@ -233,7 +237,7 @@ class EngineSession(SessionBase):
         ``lookup`` (greedy only; a ``PromptLookupDrafter``): where n-gram prompt lookup finds a match,
         its proposal replaces the draft's in the block the step verifies (``_looked_up``). The draft's
         drafts are needed only at a later miss, so a step runs the draft only where that pays
-        (``EngineGenerator.drafting_pays``, from how often the lookup has missed right after a hit and
+        (``EngineGenerator.runs_step_graph``, from how often the lookup has missed right after a hit and
         right after a miss, ``MissRuns``, and the engine's calibrated costs): when every running
         sequence has a match and drafting for the next step does not pay, the step verifies the
         proposals through the ``decode`` graph (as n-gram lookup alone does) and skips the draft
@@ -278,9 +282,9 @@ class EngineSession(SessionBase):
         while any(self._active):
             most = min(self.k, self.max_verify_tokens() - 1)  # a skip step verifies on the decode graph
             proposals = None if lookup is None else self._proposals(lookup, most)
-            hit = proposals is not None and all(p for p, a in zip(proposals, self._active, strict=True) if a)
-            if proposals is not None and (hit or not drafted) and \
-                    not self.gen.drafting_pays(self.batch_size, max(self.cache_len), lookup.misses, hit=hit):
+            if proposals is not None and not self.gen.runs_step_graph(
+                    self.batch_size, max(self.cache_len), lookup.misses, drafted=drafted,
+                    hit=all(p for p, a in zip(proposals, self._active, strict=True) if a)):
                 with timer.time("verify"):  # every running row has a proposal, or a miss with no drafts at
                     # hand (those rows decode one token), and drafting for the next step would not pay
                     event = self._verify_proposals(proposals, params, draw)

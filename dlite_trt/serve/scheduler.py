@@ -469,7 +469,7 @@ class _DLiteNgramCalls(_DLiteCalls):
     unless drafting for the next step pays; when no row holds drafts (the last step skipped the
     draft) and some row's lookup misses, the step call (the target's token alone for those rows)
     runs only where the misses expected next pay for it, else rows without a proposal decode one
-    token. Both decisions are ``EngineGenerator.drafting_pays``, from how often a row's lookup has
+    token. Both decisions are ``EngineGenerator.runs_step_graph``, from how often a row's lookup has
     missed right after a hit and right after a miss, over the server's rows (``misses``), as a DLite
     + n-gram session decides them. A batch with a sampled row runs plain DLite."""
 
@@ -490,10 +490,11 @@ class _DLiteNgramCalls(_DLiteCalls):
         for row, proposal in zip(rows, proposals, strict=True):
             self.misses.record(row.state["missed"], not proposal)
             row.state["missed"] = not proposal
-        k, hit, drafted = self.drafts_for(rows), all(proposals), any(r.state["drafted"] for r in rows)
+        k = self.drafts_for(rows)
         # where the batch's width is 0, or drafting would not pay, rows without a proposal decode one token
-        if k == 0 or (hit or not drafted) and not self.sched.generator.drafting_pays(
-                len(rows), max(r.cache_len for r in rows), self.misses, hit=hit):
+        if k == 0 or not self.sched.generator.runs_step_graph(
+                len(rows), max(r.cache_len for r in rows), self.misses, hit=all(proposals),
+                drafted=any(r.state["drafted"] for r in rows)):
             return self._without_draft(rows, view, proposals)
         width = max(self._greedy_width(rows, k), *(len(p) + 1 for p in proposals))
         block = np.stack([r.state["block"][:width] for r in rows])
