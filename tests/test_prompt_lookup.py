@@ -11,7 +11,7 @@ import torch
 from helpers import bigram_draft, draft_config, generator, hf_greedy, near_bigram_target, random_draft, small_engine
 
 from dlite_trt.errors import DLiteError, EngineError
-from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig, PromptLookupDrafter
+from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig, PromptLookupDrafter, fill_padding
 from dlite_trt.runtime.session import SamplingParams
 
 NEW = 40
@@ -45,6 +45,42 @@ def test_incremental_index_equals_the_definition_as_sequences_grow():
             tokens += [rng.randrange(6) for _ in range(rng.choice((1, 1, 3, 9)))]  # steps and appended turns
             limit = rng.randint(1, 7)
             assert index.propose(tokens, limit) == _brute_force(tokens, cfg, limit), tokens[-8:]
+
+
+def _brute_force_guess(tokens: list[int], limit: int) -> list[int]:
+    """The definition of a guess: what followed the most recent earlier occurrence of the last token."""
+    for end in range(len(tokens) - 1, 0, -1):  # occurrence tokens[end - 1], followed by tokens[end]
+        if tokens[end - 1] == tokens[-1]:
+            return tokens[end : end + limit]
+    return []
+
+
+def test_guess_is_the_one_gram_lookup_whatever_the_ngram_sizes():
+    rng = random.Random(1)
+    index, tokens = NgramIndex(PromptLookupConfig(max_ngram=3, min_ngram=2)), []
+    seen_guess_without_proposal = False
+    for _ in range(300):
+        tokens += [rng.randrange(8) for _ in range(rng.choice((1, 1, 4)))]
+        limit = rng.randint(1, 3)
+        guess = index.guess(tokens, limit)
+        assert guess == _brute_force_guess(tokens, limit), tokens[-6:]
+        seen_guess_without_proposal |= bool(guess) and not index.propose(tokens, limit)
+    assert seen_guess_without_proposal
+    assert NgramIndex(PromptLookupConfig()).guess([4, 1, 5, 1], 2) == [5, 1]
+
+
+def test_padding_slots_carry_guesses_and_proposals_stay():
+    guesses = {0: [7, 8, 9, 6], 2: [5]}
+
+    def guess(row: int, room: int) -> list[int]:
+        assert room > 0
+        return guesses.get(row, [])[:room]
+
+    # the widest row is 1 + 3 tokens: the others' 3 slots after their last token are computed anyway
+    assert fill_padding([[], [1, 2, 3], []], 2, guess) == [[7, 8, 9], [1, 2, 3], [5]]
+    assert fill_padding([[], [], []], 2, guess) == [[7], [], [5]]  # a call's floor of 2 rows: room for 1
+    assert fill_padding([[], [4]], 1, guess) == [[7], [4]]
+    assert fill_padding([[], []], 1, guess) == [[], []]  # one token per row: no padding, no call to guess
 
 
 def test_sync_counts_the_context_a_drafter_must_index():
@@ -88,6 +124,52 @@ def test_greedy_prompt_lookup_is_lossless(case, backend, lengths):
     assert result.output_ids == [hf_greedy(hf, p, NEW) for p in prompts]
     accepted = [n for s in result.steps for n in s.accepted if n is not None]
     assert max(accepted) >= 2 and min(accepted) == 0  # multi-token acceptance and rejections both ran
+
+
+def _recording_guesses(monkeypatch) -> list[tuple[int, list[int]]]:
+    """Every guess made from here on, with the length of the sequence it follows."""
+    made, guess = [], NgramIndex.guess
+    monkeypatch.setattr(NgramIndex, "guess", lambda self, tokens, limit: (
+        made.append((len(tokens), guess(self, tokens, limit))), made[-1][1])[1])
+    return made
+
+
+def _right(made: list[tuple[int, list[int]]], sequence: list[int]) -> list[list[int]]:
+    return [g for n, g in made if g and sequence[n] == g[0]]
+
+
+@pytest.mark.parametrize("backend", ["engine", "reference"])
+def test_the_padding_slot_verifies_a_guess(case, backend, monkeypatch):
+    """Where the lookup (its default n-gram sizes, 2 and 3) has no match, an engine's decode call still
+    computes two rows (MIN_CALL_TOKENS): the second carries the 1-gram guess, and a right guess is
+    kept, two tokens from the call. Output: target-only greedy. The reference's calls compute only
+    the rows they are fed: at batch 1 it guesses nothing."""
+    hf, reference, engine = case
+    gen = engine if backend == "engine" else reference
+    prompt = _prompts(21, (12,))[0]
+    made = _recording_guesses(monkeypatch)
+    result = _lookup(gen.session([prompt]), SamplingParams(max_new_tokens=NEW), PromptLookupConfig())
+    assert result.output_ids == [hf_greedy(hf, prompt, NEW)]
+    if backend == "reference":
+        assert made == []
+        return
+    right = _right(made, prompt + result.output_ids[0])
+    assert right and len(right) < len([g for _, g in made if g])  # guesses both right and wrong were verified
+    kept = {d[0] for s in result.steps for d, n in zip(s.draft_tokens, s.accepted, strict=True) if n}
+    assert all(g[0] in kept for g in right)  # a right guess's token was kept as a draft, not decoded again
+
+
+def test_the_servers_padding_slot_verifies_a_guess(case, monkeypatch):
+    """The same in the OpenAI server's scheduler (`--speculative ngram`): output target-only greedy,
+    some guess right, and one decode-graph call fewer per guess kept than tokens emitted."""
+    hf, _, engine = case
+    prompt = _prompts(21, (12,))[0]
+    calls, infer = [], engine.runner.infer
+    monkeypatch.setattr(engine.runner, "infer", lambda graph, *args: (calls.append(graph), infer(graph, *args))[1])
+    made = _recording_guesses(monkeypatch)
+    tokens = _served(engine, prompt, speculative="ngram")
+    assert tokens == hf_greedy(hf, prompt, NEW)
+    assert _right(made, prompt + tokens) and calls.count("decode") < NEW - 1
 
 
 def test_multiturn_and_stop_tokens(case):
@@ -254,14 +336,14 @@ def test_the_servers_step_after_a_skipped_draft_verifies_the_narrowest_block(wea
     assert after_step and set(after_step) == {k + 1}
 
 
-def _served(gen, prompt: list[int], misses=None, **scheduler) -> list[int]:
-    """The tokens of one greedy request through the OpenAI server's scheduler (`--speculative dlite-ngram`),
-    its lookup's miss counts starting from ``misses`` where given."""
+def _served(gen, prompt: list[int], misses=None, speculative: str = "dlite-ngram", **scheduler) -> list[int]:
+    """The tokens of one greedy request through the OpenAI server's scheduler (`--speculative dlite-ngram`
+    unless given), its lookup's miss counts starting from ``misses`` where given."""
     import queue
 
     from dlite_trt.serve.scheduler import Scheduler
 
-    sched = Scheduler(gen, speculative="dlite-ngram", **scheduler)
+    sched = Scheduler(gen, speculative=speculative, **scheduler)
     if misses is not None:
         sched.calls.misses = misses
     sched.start()

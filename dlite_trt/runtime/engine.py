@@ -286,8 +286,8 @@ class EngineSession(SessionBase):
                     self.batch_size, max(self.cache_len), lookup.misses, drafted=drafted,
                     hit=all(p for p, a in zip(proposals, self._active, strict=True) if a)):
                 with timer.time("verify"):  # every running row has a proposal, or a miss with no drafts at
-                    # hand (those rows decode one token), and drafting for the next step would not pay
-                    event = self._verify_proposals(proposals, params, draw)
+                    # hand (those rows decode one token, a guess beside it), and drafting for the next step would not pay
+                    event = self._verify_proposals(self._guessed(proposals, lookup), params, draw)
                 block = np.array([[t[-1]] + [0] * k for t in self.tokens], np.int64)  # the anchors; no drafts
                 if self.g > 1:
                     prefix = {"group_prefix": self._group_prefix(anchored=True)}

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from dlite_trt.errors import DLiteError
+from dlite_trt.runtime.prompt_lookup import fill_padding
 from dlite_trt.runtime.sampling import is_greedy
 from dlite_trt.runtime.stats import GenerationResult, StageTimer, StepRecord
 
@@ -79,9 +80,14 @@ class Drafter(Protocol):
     def propose(self, row: int, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to ``limit`` draft tokens to follow ``tokens``."""
 
+    def guess(self, row: int, tokens: Sequence[int], limit: int) -> list[int]:
+        """A weaker proposal, for slots a call computes anyway where ``propose`` has none."""
+
 
 class SessionBase:
     """A live batch of sequences: generate, extend with new tokens, generate again."""
+
+    min_tokens = 1  # the fewest tokens per row a target call computes (an engine's: MIN_CALL_TOKENS)
 
     def __init__(self, prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
         if not prompts:
@@ -156,9 +162,18 @@ class SessionBase:
             with timer.time("draft"):
                 proposals = [drafter.propose(row, self.tokens[row], limit) if self._active[row] else []
                              for row in range(b)]
+                if is_greedy(params.temperature):
+                    proposals = self._guessed(proposals, drafter)
             with timer.time("verify"):
                 event = self._verify_proposals(proposals, params, uniforms)
             yield event
+
+    def _guessed(self, proposals: list[list[int]], drafter: Drafter) -> list[list[int]]:
+        """Greedy proposals with the drafter's guesses in the slots the verify computes anyway
+        (``prompt_lookup.fill_padding``). Not when sampling: there every fed token draws a uniform,
+        and a seed's tokens would move with the padding."""
+        return fill_padding(proposals, self.min_tokens,
+                            lambda row, room: drafter.guess(row, self.tokens[row], room) if self._active[row] else [])
 
     def _verify_proposals(self, proposals: list[list[int]], params: SamplingParams, uniforms: Uniforms) -> StepEvent:
         """One step of model-free drafts: the target alone verifies [last token, proposal] per row,

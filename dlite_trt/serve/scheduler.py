@@ -43,7 +43,7 @@ from dlite_trt.runtime.engine import (
     padded_ids,
 )
 from dlite_trt.runtime.kv_cache import GRANULE, KVCache
-from dlite_trt.runtime.prompt_lookup import MissRuns, NgramIndex, PromptLookupConfig
+from dlite_trt.runtime.prompt_lookup import MissRuns, NgramIndex, PromptLookupConfig, fill_padding
 from dlite_trt.runtime.sampling import is_greedy
 from dlite_trt.runtime.session import SamplingParams, cut_emission
 from dlite_trt.serve.metrics import ServerMetrics
@@ -534,7 +534,11 @@ class _DecodeCalls:
         return self.verify(rows, view, proposals)
 
     def verify(self, rows: list[_Row], view: KVCache, proposals: list[list[int]]) -> list[_Result]:
-        """The target alone on [last token, proposal] per row: the proposal's agreeing prefix and its next token."""
+        """The target alone on [last token, proposal] per row: the proposal's agreeing prefix and its next
+        token. Greedy rows with a lookup and no proposal take its guess in the slots the call computes
+        anyway (``fill_padding``)."""
+        proposals = fill_padding(proposals, self.min_tokens, lambda i, room: rows[i].state["ngram"].guess(
+            rows[i].tokens, room) if "ngram" in rows[i].state and not rows[i].sampling else [])
         fed = [[r.tokens[-1], *p] for r, p in zip(rows, proposals, strict=True)]
         for row, f in zip(rows, fed, strict=True):
             if not row.draws:
