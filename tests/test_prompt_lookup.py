@@ -291,49 +291,80 @@ def _unsettled_prompt(hf) -> list[int]:
     return start + [t if i % 4 != 3 else (t + 7) % 64 for i, t in enumerate(chain)] + start
 
 
+def _recording_steps(engine, monkeypatch) -> list[tuple[str, object]]:
+    """Every engine call from here on: its graph, and a step call's block and past_len."""
+    calls, infer = [], engine.runner.infer
+    monkeypatch.setattr(engine.runner, "infer", lambda graph, feeds, cache: (calls.append(
+        (graph, (feeds["block"].copy(), feeds["past_len"].copy()) if graph == "step" else None)),
+        infer(graph, feeds, cache))[1])
+    return calls
+
+
+def _check_steps_after_a_skip(calls, made: list[tuple[int, list[int]]], k: int, sequence: list[int]) -> int:
+    """Of one request's calls: a step call right after a decode-graph step verifies [anchor, the
+    lookup's guess] (0 where it has none; at batch 1 such a step runs only at a lookup miss), a step
+    call after a step call the set width. Returns how many of those guesses were right."""
+    from dlite_trt.runtime.engine import UNDRAFTED_WIDTH
+
+    guesses = dict(made)  # sequence length -> the guess made after it
+    pairs = list(zip(calls, calls[1:]))
+    after_skip = [fed for (before, _), (graph, fed) in pairs if before == "decode" and graph == "step"]
+    after_step = [fed for (before, _), (graph, fed) in pairs if before != "decode" and graph == "step"]
+    assert after_skip and {block.shape[1] for block, _ in after_skip} == {UNDRAFTED_WIDTH}
+    assert after_step and {block.shape[1] for block, _ in after_step} == {k + 1}
+    fed = [(int(block[0, 1]), guesses.get(int(past[0]) + 1, [])) for block, past in after_skip]
+    assert all(token == (guess[0] if guess else 0) for token, guess in fed), fed
+    return sum(bool(guess) and sequence[int(past[0]) + 1] == guess[0]
+               for (_, past), (_, guess) in zip(after_skip, fed, strict=True))
+
+
+def _guessing_prompts(hf) -> list[list[int]]:
+    """Prompts whose greedy continuation hits the lookup, then misses: ``_unsettled_prompt``, and random
+    tokens (chosen) where a step after a skip has a right guess."""
+    return [_unsettled_prompt(hf), _prompts(2, (24,))[0]]
+
+
 def test_a_step_after_a_skipped_draft_verifies_the_narrowest_block(weak_draft_case, monkeypatch):
     """After a step that verified lookup proposals on the decode graph (the draft did not run), the
-    block holds no drafts made from its anchor: the next step call verifies [anchor, d_1] alone and
-    drafts again, and a step call after a step call verifies the set width. At batch 1 a step call
-    runs only where the lookup has no match, so its width is exactly that. Output: target-only greedy."""
-    from dlite_trt.runtime.engine import UNDRAFTED_WIDTH, EngineGenerator
+    block holds no drafts made from its anchor: the next step call verifies [anchor, the lookup's
+    1-gram guess] alone and drafts again, and a step call after a step call verifies the set width.
+    A right guess there is kept. Output: target-only greedy."""
+    from dlite_trt.runtime.engine import EngineGenerator
 
     hf, engine = weak_draft_case
     k = 5
     gen = EngineGenerator(engine.runner, engine.manifest, k)
-    prompt = _unsettled_prompt(hf)
-    calls, infer = [], engine.runner.infer
-    monkeypatch.setattr(engine.runner, "infer", lambda graph, feeds, cache: (
-        calls.append((graph, feeds["block"].shape[1] if graph == "step" else None)), infer(graph, feeds, cache))[1])
-    session = gen.session([prompt])
-    drafter = PromptLookupDrafter(1, PromptLookupConfig(num_tokens=engine.cfg.num_proposals))  # as the server's
-    result = session._collect(lambda p, timer: session.stream(p, timer, lookup=drafter), SamplingParams(max_new_tokens=NEW))
-    assert result.output_ids == [hf_greedy(hf, prompt, NEW)]
-    pairs = list(zip(calls, calls[1:]))
-    after_skip = [width for (before, _), (graph, width) in pairs if before == "decode" and graph == "step"]
-    after_step = [width for (before, _), (graph, width) in pairs if before != "decode" and graph == "step"]
-    assert after_skip and set(after_skip) == {UNDRAFTED_WIDTH}
-    assert after_step and set(after_step) == {k + 1}
+    right = 0
+    for prompt in _guessing_prompts(hf):
+        calls = _recording_steps(engine, monkeypatch)
+        made = _recording_guesses(monkeypatch)
+        session = gen.session([prompt])
+        drafter = PromptLookupDrafter(1, PromptLookupConfig(num_tokens=engine.cfg.num_proposals))  # as the server's
+        result = session._collect(lambda p, timer, s=session, d=drafter: s.stream(p, timer, lookup=d),
+                                  SamplingParams(max_new_tokens=NEW))
+        assert result.output_ids == [hf_greedy(hf, prompt, NEW)]
+        right += _check_steps_after_a_skip(calls, made, k, prompt + result.output_ids[0])
+        monkeypatch.undo()
+    assert right, "no step call after a skipped draft kept a right guess"
 
 
 def test_the_servers_step_after_a_skipped_draft_verifies_the_narrowest_block(weak_draft_case, monkeypatch):
-    """The same in the OpenAI server's scheduler (`--speculative dlite-ngram`, one request): a step
-    call right after a decode-graph step verifies [anchor, d_1] alone, one after a step call the
-    calibrated width (here fixed at 5); the tokens are target-only greedy's."""
-    from dlite_trt.runtime.engine import UNDRAFTED_WIDTH, EngineGenerator
+    """The same in the OpenAI server's scheduler (`--speculative dlite-ngram`, one request at a time):
+    a step call right after a decode-graph step verifies [anchor, the guess] alone, one after a step
+    call the calibrated width (here fixed at 5); the tokens are target-only greedy's."""
+    from dlite_trt.runtime.engine import EngineGenerator
 
     hf, engine = weak_draft_case
     k = 5
-    prompt = _unsettled_prompt(hf)
-    calls, infer = [], engine.runner.infer
-    monkeypatch.setattr(engine.runner, "infer", lambda graph, feeds, cache: (
-        calls.append((graph, feeds["block"].shape[1] if graph == "step" else None)), infer(graph, feeds, cache))[1])
-    assert _served(EngineGenerator(engine.runner, engine.manifest, k), prompt) == hf_greedy(hf, prompt, NEW)
-    pairs = list(zip(calls, calls[1:]))
-    after_skip = [width for (before, _), (graph, width) in pairs if before == "decode" and graph == "step"]
-    after_step = [width for (before, _), (graph, width) in pairs if before != "decode" and graph == "step"]
-    assert after_skip and set(after_skip) == {UNDRAFTED_WIDTH}
-    assert after_step and set(after_step) == {k + 1}
+    right = 0
+    for prompt in _guessing_prompts(hf):
+        calls = _recording_steps(engine, monkeypatch)
+        made = _recording_guesses(monkeypatch)
+        tokens = _served(EngineGenerator(engine.runner, engine.manifest, k), prompt)
+        assert tokens == hf_greedy(hf, prompt, NEW)
+        right += _check_steps_after_a_skip(calls, made, k, prompt + tokens)
+        monkeypatch.undo()
+    assert right, "no step call after a skipped draft kept a right guess"
 
 
 def _served(gen, prompt: list[int], misses=None, speculative: str = "dlite-ngram", **scheduler) -> list[int]:

@@ -242,8 +242,9 @@ class EngineSession(SessionBase):
         sequence has a match and drafting for the next step does not pay, the step verifies the
         proposals through the ``decode`` graph (as n-gram lookup alone does) and skips the draft
         (counted in ``skipped_drafts``); the next ``step`` call then holds no drafts made from its
-        anchors, so it verifies the narrowest block (``UNDRAFTED_WIDTH``, wider only for a proposal),
-        keeps the target's token and drafts again, which at a miss runs only when the misses expected
+        anchors, so it verifies the narrowest block (``UNDRAFTED_WIDTH``, wider only for a proposal;
+        a row without a proposal verifies the lookup's 1-gram guess there, ``_guessed``), keeps the
+        target's token (and the guess where right) and drafts again, which at a miss runs only when the misses expected
         to follow gain more than the call costs over a decode call, else the step decodes one token as
         n-gram lookup alone does. Verification does not care where drafts came from, so the output
         stays the target's greedy output.
@@ -302,6 +303,8 @@ class EngineSession(SessionBase):
                     width = self.gen.greedy_drafts(b, context=int(past_len.max())) + 1
                 else:
                     width = UNDRAFTED_WIDTH
+                    if proposals is not None:  # no drafts at hand: rows without a proposal verify the lookup's guess
+                        proposals = self._guessed(proposals, lookup, width)
                 block = np.ascontiguousarray(block[:, :width]) if proposals is None else \
                     self._looked_up(block, width, proposals)
                 feeds = {"block": block, "past_len": past_len, **prefix, **carried,

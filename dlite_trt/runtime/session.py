@@ -168,11 +168,11 @@ class SessionBase:
                 event = self._verify_proposals(proposals, params, uniforms)
             yield event
 
-    def _guessed(self, proposals: list[list[int]], drafter: Drafter) -> list[list[int]]:
+    def _guessed(self, proposals: list[list[int]], drafter: Drafter, width: int | None = None) -> list[list[int]]:
         """Greedy proposals with the drafter's guesses in the slots the verify computes anyway
-        (``prompt_lookup.fill_padding``). Not when sampling: there every fed token draws a uniform,
-        and a seed's tokens would move with the padding."""
-        return fill_padding(proposals, self.min_tokens,
+        (``prompt_lookup.fill_padding``; ``width``: the call's block, else ``min_tokens``). Not when
+        sampling: there every fed token draws a uniform, and a seed's tokens would move with the padding."""
+        return fill_padding(proposals, self.min_tokens if width is None else width,
                             lambda row, room: drafter.guess(row, self.tokens[row], room) if self._active[row] else [])
 
     def _verify_proposals(self, proposals: list[list[int]], params: SamplingParams, uniforms: Uniforms) -> StepEvent:

@@ -467,9 +467,9 @@ class _DLiteNgramCalls(_DLiteCalls):
     replaces its drafts in the block the step verifies; when every row has one, the target alone
     verifies them on the decode graph and the draft is skipped (``dlite_draft_skipped_total``),
     unless drafting for the next step pays; when no row holds drafts (the last step skipped the
-    draft) and some row's lookup misses, the step call (the target's token alone for those rows)
-    runs only where the misses expected next pay for it, else rows without a proposal decode one
-    token. Both decisions are ``EngineGenerator.runs_step_graph``, from how often a row's lookup has
+    draft) and some row's lookup misses, the step call (for those rows the lookup's 1-gram guess and
+    the target's token) runs only where the misses expected next pay for it, else rows without a
+    proposal decode one token, the guess beside it. Both decisions are ``EngineGenerator.runs_step_graph``, from how often a row's lookup has
     missed right after a hit and right after a miss, over the server's rows (``misses``), as a DLite
     + n-gram session decides them. A batch with a sampled row runs plain DLite."""
 
@@ -497,6 +497,8 @@ class _DLiteNgramCalls(_DLiteCalls):
                 drafted=any(r.state["drafted"] for r in rows)):
             return self._without_draft(rows, view, proposals)
         width = max(self._greedy_width(rows, k), *(len(p) + 1 for p in proposals))
+        proposals = fill_padding(proposals, width, lambda i, room: [] if rows[i].state["drafted"] else
+                                 rows[i].state["ngram"].guess(rows[i].tokens, room))  # no drafts at hand: the guess
         block = np.stack([r.state["block"][:width] for r in rows])
         for i, proposal in enumerate(proposals):
             block[i, 1: 1 + len(proposal)] = proposal
