@@ -244,9 +244,9 @@ class EngineSession(SessionBase):
         (counted in ``skipped_drafts``); the next ``step`` call then holds no drafts made from its
         anchors, so it verifies the narrowest block (``UNDRAFTED_WIDTH``, wider only for a proposal;
         a row without a proposal verifies the lookup's 1-gram guess there, ``_guessed``), keeps the
-        target's token (and the guess where right) and drafts again, which at a miss runs only when the misses expected
-        to follow gain more than the call costs over a decode call, else the step decodes one token as
-        n-gram lookup alone does. Verification does not care where drafts came from, so the output
+        target's token (and the guess where right) and drafts again, which at a miss runs only when
+        the misses expected to follow gain more than the call costs over a decode call, else the step
+        decodes one token as n-gram lookup alone does. Verification does not care where drafts came from, so the output
         stays the target's greedy output.
 
         Greedy runs use the ``prefill``/``step`` graphs; sampling runs the ``*_sampling`` ones,

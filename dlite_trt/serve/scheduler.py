@@ -469,8 +469,9 @@ class _DLiteNgramCalls(_DLiteCalls):
     unless drafting for the next step pays; when no row holds drafts (the last step skipped the
     draft) and some row's lookup misses, the step call (for those rows the lookup's 1-gram guess and
     the target's token) runs only where the misses expected next pay for it, else rows without a
-    proposal decode one token, the guess beside it. Both decisions are ``EngineGenerator.runs_step_graph``, from how often a row's lookup has
-    missed right after a hit and right after a miss, over the server's rows (``misses``), as a DLite
+    proposal decode one token, the guess beside it. Both decisions are
+    ``EngineGenerator.runs_step_graph``, from how often a row's lookup has missed right after a hit
+    and right after a miss, over the server's rows (``misses``), as a DLite
     + n-gram session decides them. A batch with a sampled row runs plain DLite."""
 
     def __init__(self, sched: Scheduler) -> None:
