@@ -170,6 +170,64 @@ def test_the_lookup_counts_misses_after_misses_and_after_hits():
     assert drafter.misses.rate(after_miss=False) == 5 / 7
 
 
+CLEAN = {(1, 256): ({1: 11.0, 2: 12.0}, 9.0), (1, 1024): ({1: 17.0, 2: 18.0}, 12.0),
+         (1, 2048): ({1: 27.0, 2: 30.0}, 25.0), (2, 1024): ({1: 22.0, 2: 25.0}, 19.0)}
+BUSY_1024 = CLEAN | {(1, 1024): ({1: 63.7, 2: 63.7}, 32.1)}  # a real fp32 calibration that load hit after 1,024
+CHEAP_STEP = CLEAN | {(1, 256): ({1: 5.0, 2: 12.0}, 9.0)}
+
+
+def test_costs_that_physics_rules_out_are_named():
+    """Planted timings: a step call cheaper than a decode call, a call dearer than the same call
+    after more cached tokens or with more rows, rounds spread wide; each is flagged, clean costs
+    (and differences inside the tolerance) are not."""
+    quiet = {key: {"decode": 0.02, "step k=1": 0.05} for key in CLEAN}
+    assert verify_width.implausible(CLEAN, quiet) == []
+    within = CLEAN | {(1, 256): ({1: 14.0, 2: 15.0}, 12.0 * 1.1)}  # 1.1x the decode call after 1,024: noise allowed
+    assert verify_width.implausible(within) == []
+    busy = verify_width.implausible(BUSY_1024)
+    assert len(busy) == 2 and all("after 1024 tokens took 63.7 ms" in p for p in busy)
+    assert any("more cached tokens (batch 1 after 2048" in p for p in busy)
+    assert any("more rows (batch 2 after 1024" in p for p in busy)
+    cheap = verify_width.implausible(CHEAP_STEP)
+    assert len(cheap) == 1 and "a step call at k = 1 took 5.0 ms, 0.56x a decode call" in cheap[0]
+    spread = verify_width.implausible(CLEAN, quiet | {(2, 1024): {"decode": 0.30, "step k=1": 0.05}})
+    assert spread == ["batch 2 after 1024 tokens: the decode call's rounds spread +-30%"]
+
+
+def test_calibration_measures_again_and_keeps_the_cleanest(monkeypatch):
+    """Planted measurements: costs that fail the check are measured again; clean ones end it; when
+    every attempt fails, the one with the fewest problems is kept with its problems, and the choice
+    carries them into its file and its printout."""
+    from dlite_trt.bench import calibrate as cal
+
+    def planted(*attempts):
+        it = iter(attempts)
+        monkeypatch.setattr(cal, "call_costs", lambda gen, keys, runs: (next(it), {}))
+
+    planted(BUSY_1024, CLEAN, CHEAP_STEP)
+    assert cal.measured_costs(None, list(CLEAN), 20) == (CLEAN, [], 2)
+    planted(BUSY_1024, CHEAP_STEP, BUSY_1024, CLEAN)
+    costs, noise, attempts = cal.measured_costs(None, list(CLEAN), 20)
+    assert (costs, noise, attempts) == (CHEAP_STEP, verify_width.implausible(CHEAP_STEP), cal.ATTEMPTS)
+    curve = [0.6, 0.3]
+    choice = verify_width.choose(costs[(1, 1024)][0], curve, decode_ms=costs[(1, 1024)][1], noise=noise,
+                                 machine=verify_width.this_machine())
+    assert verify_width.WidthChoice.from_dict(json.loads(json.dumps(choice.to_dict()))) == choice
+    text = cal.describe(choice)
+    assert "WARNING, timings not clean: batch 1 after 256 tokens: a step call at k = 1" in text
+
+
+def test_a_width_measured_on_another_machine_says_so():
+    here = verify_width.this_machine()
+    assert here["cpu"] and here["cpus"] >= 1
+    choice = verify_width.choose({1: 2.0}, [0.5], decode_ms=1.0, machine=here)
+    assert choice.measured_elsewhere() is None
+    assert verify_width.choose({1: 2.0}, [0.5]).measured_elsewhere() is None  # a file from before: unknown
+    other = verify_width.choose({1: 2.0}, [0.5], machine={"cpu": "Some Other CPU 9000", "cpus": 512})
+    assert other.measured_elsewhere() == f"calibrated on Some Other CPU 9000 (512 CPUs), running on {here['cpu']} " \
+                                        f"({here['cpus']} CPUs)"
+
+
 @pytest.fixture(scope="module")
 def bigram(tmp_path_factory):
     hf, spec = near_bigram_target(64, seed=11)
@@ -268,3 +326,50 @@ def test_calibration_file_is_used_and_checked(bigram, tmp_path):
     finally:
         path.unlink()
     assert open_engine(engine_dir).verify_drafts == engine.cfg.num_proposals
+
+
+def test_opening_an_engine_calibrated_elsewhere_warns(bigram, caplog):
+    _, engine, engine_dir = bigram
+    curve = [0.5] * engine.cfg.num_proposals
+    choice = verify_width.choose({1: 2.0}, curve, decode_ms=1.0, machine={"cpu": "Some Other CPU 9000", "cpus": 512})
+    path = verify_width.save(engine_dir, choice)
+    try:
+        with caplog.at_level("WARNING", logger="dlite_trt.runtime.engine"):
+            assert open_engine(engine_dir).verify_drafts == 1
+        assert "calibrated on Some Other CPU 9000" in caplog.text and "dlite-trt calibrate --engine" in caplog.text
+        caplog.clear()
+        verify_width.save(engine_dir, verify_width.choose({1: 2.0}, curve, machine=verify_width.this_machine()))
+        with caplog.at_level("WARNING", logger="dlite_trt.runtime.engine"):
+            open_engine(engine_dir)
+        assert caplog.text == ""
+    finally:
+        path.unlink()
+
+
+def test_a_build_calibrates_before_the_engine_is_in_place(tiny_pair, tmp_path):
+    """Nothing can open an engine while its build still calibrates it: the calibration runs on the
+    complete engine before it moves to --out, and a failed calibration leaves --out as it was."""
+    from dlite_trt.bench.calibrate import calibrate_engine
+    from dlite_trt.engine.build import BuildSettings, build_engine
+    from dlite_trt.export.contract import EngineLimits
+
+    settings = BuildSettings(limits=EngineLimits(max_batch=1, max_seq_len=64, max_chunk=16))
+    out, seen = tmp_path / "engine", {}
+
+    def calibrate(engine):
+        seen.update(out_exists=out.exists(), engine=engine, text=calibrate_engine(
+            engine, prompts=[[3, 5, 7, 9, 11], [1, 2, 3]], shown_as=out)[1])
+
+    build_engine(*tiny_pair, out, settings, progress=False, calibrate=calibrate)
+    assert seen["out_exists"] is False and seen["engine"] != out and not seen["engine"].exists()
+    assert f"written to {out / verify_width.WIDTH_FILE}" in seen["text"]
+    choice = verify_width.load(out, open_engine(out, verify_drafts=None).cfg.num_proposals)
+    assert choice is not None and choice.machine == verify_width.this_machine()
+    assert open_engine(out).verify_drafts == choice.drafts
+
+    def fails(engine):
+        raise RuntimeError("calibration failed")
+
+    with pytest.raises(RuntimeError, match="calibration failed"):
+        build_engine(*tiny_pair, tmp_path / "other", settings, progress=False, calibrate=fails)
+    assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".other*"))

@@ -151,25 +151,35 @@ def timing_cache(runner: Any, batch: int, slots: int) -> Any:
     return cache
 
 
-def burst_medians(engine: Any, calls: dict[int, tuple[Any, dict[str, tuple[str, dict]]]], runs: int,
-                   progress: Any) -> dict[int, dict[str, float]]:
-    """Median wall seconds per (key, call name). ``calls``: key (a context, or a batch size) -> (cache,
-    name -> (graph, feed)). Calls run in bursts of consecutive calls of one graph at one context (as in decoding:
-    a shape change between calls costs ONNX Runtime extra work), bursts interleaved so load
-    bursts hit every context and call alike; the first call of a burst is not timed."""
-    times = {ctx: {name: [] for name in named} for ctx, (_, named) in calls.items()}
-    burst = 10
+def burst_medians(engine: Any, calls: dict[Any, tuple[Any, dict[str, tuple[str, dict]]]], runs: int,
+                   progress: Any, burst: int = 10) -> dict[Any, dict[str, float]]:
+    """Median wall seconds per (key, call name) over every round of ``burst_rounds``."""
+    rounds = burst_rounds(engine, calls, runs, progress, burst)
+    return {key: {name: statistics.median(t for r in per_round for t in r) for name, per_round in named.items()}
+            for key, named in rounds.items()}
+
+
+def burst_rounds(engine: Any, calls: dict[Any, tuple[Any, dict[str, tuple[str, dict]]]], runs: int,
+                 progress: Any, burst: int = 10) -> dict[Any, dict[str, list[list[float]]]]:
+    """Wall seconds per (key, call name), one list per round. ``calls``: key (a context, a batch size,
+    or both) -> (cache, name -> (graph, feed)). Calls run in bursts of ``burst`` consecutive calls of one
+    graph at one key (as in decoding: a shape change between calls costs ONNX Runtime extra work), the
+    first of a burst untimed; each of the ``runs // burst`` rounds runs one burst of every call of every
+    key, so load bursts hit every key and call alike."""
+    times = {key: {name: [] for name in named} for key, (_, named) in calls.items()}
     for _ in range(max(1, runs // burst)):
-        for ctx, (cache, named) in calls.items():
+        for key, (cache, named) in calls.items():
             for name, (graph, feed) in named.items():
+                timed = []
                 for i in range(burst + 1):
                     start = time.perf_counter()
                     engine.runner.infer(graph, feed, cache)
                     if i:
-                        times[ctx][name].append(time.perf_counter() - start)
+                        timed.append(time.perf_counter() - start)
+                times[key][name].append(timed)
         if progress is not None:
             progress()
-    return {ctx: {name: statistics.median(t) for name, t in named.items()} for ctx, named in times.items()}
+    return times
 
 
 def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progress: Any = None) -> dict[str, dict]:
@@ -178,7 +188,7 @@ def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progres
     k the drafts a DLite step verifies after that context, ``verify_width`` = k+1) and of 1 token
     (a target-only decode step). Inputs are random (the cache's contents do not
     change the work, but it must be in memory: ``timing_cache``), nothing is stored; see
-    ``burst_medians`` for the timing."""
+    ``burst_rounds`` for the timing."""
     import numpy as np
 
     from dlite_trt.export.contract import dummy_inputs

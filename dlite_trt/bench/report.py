@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dlite_trt.bench.names import METHOD_TITLES
+from dlite_trt.runtime.verify_width import IMPOSSIBLE_STEP
 
 SCHEMA = "dlite-trt-bench/1"
 
@@ -51,7 +52,6 @@ def _targets(m: dict, variant: str, weights: str, noise: dict) -> dict:
 
 
 MIN_ROUNDS = 3  # rounds (tasks) below which a workload's spread says nothing, and no goal is judged
-IMPOSSIBLE_STEP = 0.9  # a step this much cheaper than a decode step (its 2 tokens) is noise, not physics
 
 
 def noise(summary: dict) -> dict:
@@ -287,6 +287,10 @@ def _print_verify_width(engine: dict, console: Any) -> None:
         console.print("  k: predicted tokens/step, step ms, speedup over a decode call: " + ", ".join(
             f"{k}: {r['tokens_per_step']:.2f}, {r['step_ms']:.1f}, {r.get('speedup_over_decode', 0):.2f}x"
             for k, r in choice["rows"].items()))
+        for problem in choice.get("noise", ()):
+            console.print(f"  WARNING, calibration timings not clean: {problem}")
+        if choice.get("measured_elsewhere"):
+            console.print(f"  WARNING: {choice['measured_elsewhere']}; rerun `dlite-trt calibrate` here")
         if choice.get("by_batch"):
             console.print("  calibrated width per batch size (the batch sweep takes k >= 1; the server's 0 is plain "
                           "decoding): " + ", ".join(f"{b}: {w['drafts']}" for b, w in choice["by_batch"].items()))

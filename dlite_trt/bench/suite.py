@@ -222,7 +222,7 @@ def _calibration(engine: Any) -> dict | None:
 
     engine_dir = getattr(engine.runner, "engine_dir", None)
     choice = None if engine_dir is None else verify_width.load(engine_dir, engine.cfg.num_proposals)
-    return None if choice is None else choice.to_dict()
+    return None if choice is None else choice.to_dict() | {"measured_elsewhere": choice.measured_elsewhere()}
 
 
 def settings_json(settings: BenchSettings) -> dict:
@@ -234,7 +234,9 @@ def settings_json(settings: BenchSettings) -> dict:
 def machine(threads: int | None) -> dict:
     import torch
 
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    from dlite_trt.runtime import verify_width
+
+    return {"platform": platform.platform(), "processor": verify_width.this_machine()["cpu"],
             "cpus": os.cpu_count(), "python": platform.python_version(),
             "threads": threads or "each library's default",  # intra-op threads of every method and peer
             "torch_threads": torch.get_num_threads(), "ci": bool(os.environ.get("CI"))}

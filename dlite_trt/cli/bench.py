@@ -127,13 +127,13 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
             src_target, src_draft = pair_or_default(target, draft)
             console.print(f"building an engine into {engine} (max seq len {BUILD_MAX_SEQ_LEN}, or the target's "
                           "max_position_embeddings if less)")
+            from dlite_trt.bench.calibrate import calibrate_engine
+
             build_engine(src_target, src_draft, engine,
                          BuildSettings(limits=EngineLimits(max_batch=8, max_seq_len=BUILD_MAX_SEQ_LEN, max_chunk=512),
                                        fit_seq_len_to_target=True),
-                         progress=False)
-            from dlite_trt.bench.calibrate import calibrate_engine
-
-            console.print(calibrate_engine(engine, threads=threads)[1])
+                         progress=False, calibrate=lambda built: console.print(
+                             calibrate_engine(built, threads=threads, shown_as=engine)[1]))
     else:
         check_engine_dir(engine, hint=", or leave out --engine to build one here")
 

@@ -95,7 +95,15 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
                              timing_cache=timing_cache, fit_seq_len_to_target=max_seq_len is None,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,
                                                  max_chunk=max_chunk))
-    manifest = build_engine(target, draft, out, settings, progress=not quiet)
+    calibrated: list[str] = []  # what calibration prints, after the progress display
+
+    def calibrate(engine: Path) -> None:
+        from dlite_trt.bench.calibrate import calibrate_engine
+
+        calibrated.append(calibrate_engine(engine, shown_as=out)[1])
+
+    manifest = build_engine(target, draft, out, settings, progress=not quiet,
+                            calibrate=None if no_calibrate or random_weights else calibrate)  # random: nothing accepts
     total = sum(r["bytes"] for r in manifest.files.values())
     vocab = manifest.draft_config.draft_vocab_size
     drafts = "" if vocab is None else f", draft vocabulary {vocab} of {manifest.target_spec.vocab_size} tokens"
@@ -107,7 +115,5 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
         click.echo("int4: the GGUF's Q4_1 blocks were re-fitted into ONNX Runtime's own 4-bit form (faster; its "
                    "logits are a second 4-bit rounding away from the GGUF's, docs/engine.md); --int4-blocks ggml "
                    "keeps the GGUF's blocks exactly.")
-    if not no_calibrate and not random_weights:  # random weights: nothing to accept
-        from dlite_trt.bench.calibrate import calibrate_engine
-
-        click.echo(calibrate_engine(out)[1])
+    for text in calibrated:
+        click.echo(text)

@@ -18,6 +18,7 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -202,8 +203,11 @@ def _install(tmp: Path, out: Path) -> None:
 
 
 def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSettings = BuildSettings(), *,
-                 progress: bool = True) -> Manifest:
-    """Export the engine graphs for ``target`` + ``draft``, optimize them, write ``out``."""
+                 progress: bool = True, calibrate: Callable[[Path], object] | None = None) -> Manifest:
+    """Export the engine graphs for ``target`` + ``draft``, optimize them, write ``out``.
+    ``calibrate``: run on the complete engine (its directory) before it is moved to ``out``, so
+    that nothing can open the engine before its verify width is written (a bench started while a
+    build calibrated once ran DLite uncalibrated)."""
     from dlite_trt.engine.progress import stages
     from dlite_trt.export.onnx_export import export_graph
     from dlite_trt.loading import load_pair
@@ -220,7 +224,7 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
     limits = settings.limits
     out.parent.mkdir(parents=True, exist_ok=True)
     int4 = settings.weights == "int4"
-    with stages(progress, total=2 + int4 + len(GRAPH_NAMES)) as advance:
+    with stages(progress, total=2 + int4 + len(GRAPH_NAMES) + (calibrate is not None)) as advance:
         advance("loading target and draft")
         pair = load_pair(target, Path(draft), dtype=settings.dtype, random_weights=settings.random_weights,
                          progress=progress)
@@ -283,6 +287,9 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
                 build={"seconds": round(time.perf_counter() - started, 2), "random_weights": settings.random_weights,
                        "target": str(target), "draft": str(draft), "machine": platform.machine(), **backend_info})
             write_manifest(tmp, manifest)
+            if calibrate is not None:
+                advance("calibrating the verify width on this machine")
+                calibrate(tmp)
             _install(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

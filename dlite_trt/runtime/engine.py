@@ -10,6 +10,7 @@ logits), stores the accepted KV entries, and emits the accepted tokens; everythi
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from dlite_trt.runtime.kv_cache import KVCache
 from dlite_trt.runtime.sampling import is_greedy
 from dlite_trt.runtime.session import GeneratorBase, SamplingParams, SessionBase, StepEvent
 from dlite_trt.runtime.stats import StageTimer
+
+log = logging.getLogger(__name__)
 
 
 # Every engine call feeds at least this many tokens per sequence (a decode call's one token gets
@@ -405,6 +408,10 @@ def open_engine(engine_dir: Path, *, threads: int | None = None, verify: bool = 
     if verify_drafts == "auto":
         choice = verify_width.load(Path(engine_dir), manifest.draft_config.num_proposals)
         verify_drafts = manifest.draft_config.num_proposals if choice is None else choice.drafts
+        elsewhere = None if choice is None else choice.measured_elsewhere()
+        if elsewhere:
+            log.warning("%s: verify widths %s; they may not pay here. Run `dlite-trt calibrate --engine %s` on this "
+                        "machine.", engine_dir, elsewhere, engine_dir)
     if manifest.backend == "tensorrt":
         from dlite_trt.runtime.trt_runner import TrtRunner
 

@@ -34,13 +34,21 @@ A step verifying more drafts does more work, so its true cost never falls with k
 that falls (load on a shared machine hit one width's bursts) is fitted nondecreasing before the
 choice (``nondecreasing``: adjacent violators pooled to their mean), so a width that merely timed
 lucky cannot win.
+
+Timings on a shared machine can be wrong in ways no fit repairs (a step measured cheaper than a
+decode call, a call after 1,024 cached tokens dearer than after 2,048), and a width is only right
+for the machine it was measured on. Calibration therefore checks its costs against what physics
+allows (``implausible``), measures again where they fail, and records what it could not clear
+(``noise``) and the machine it ran on (``machine``); opening the engine on another machine says so.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
 import math
+import os
+import platform
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +57,60 @@ from dlite_trt.errors import DLiteError, EngineError
 
 WIDTH_FILE = "verify_width.json"
 MAX_MISS_RATE = 0.95  # caps p in drafting_pays (p / (1 - p) grows without bound)
+IMPOSSIBLE_STEP = 0.9  # a step this much cheaper than a decode call (it verifies at least its tokens) is noise
+TOLERANCE = 0.15  # a call this much dearer than one that does more work (longer context, more rows) is noise
+MAX_ROUND_SPREAD = 0.15  # half the p10-p90 width of a call's round medians over their median, at most
+
+
+def this_machine() -> dict[str, Any]:
+    """What a calibration is valid for: the CPU's model and how many logical CPUs this process sees."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    except OSError:  # not Linux
+        pass
+    return {"cpu": model or platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+
+
+Key = tuple[int, int]  # (batch size, cached tokens) of one set of calls
+
+
+def implausible(costs: Mapping[Key, tuple[Mapping[int, float], float]],
+                spreads: Mapping[Key, Mapping[str, float]] | None = None) -> list[str]:
+    """What in measured call costs physics rules out, one line each (empty: nothing). ``costs``:
+    (batch, context) -> (k -> step ms, decode ms); ``spreads``: the same keys -> call name
+    ("decode", "step k=1", ...) -> half the p10-p90 width of its round medians over their median.
+    Ruled out: a step call cheaper than ``IMPOSSIBLE_STEP`` x a decode call; a call dearer by more
+    than ``TOLERANCE`` than the same call after more cached tokens or with more rows; rounds
+    spread past ``MAX_ROUND_SPREAD``. Meant for calls timed in the same interleaved rounds."""
+    problems = []
+    for (batch, context), (step_ms, decode_ms) in sorted(costs.items()):
+        cheapest = min(step_ms, key=step_ms.__getitem__)
+        if step_ms[cheapest] < IMPOSSIBLE_STEP * decode_ms:
+            problems.append(f"batch {batch} after {context} tokens: a step call at k = {cheapest} took "
+                            f"{step_ms[cheapest]:.1f} ms, {step_ms[cheapest] / decode_ms:.2f}x a decode call "
+                            f"({decode_ms:.1f} ms), though it verifies at least as many tokens and drafts too")
+    for less, more, what in _ordered_pairs(costs):
+        calls = {"decode": (costs[less][1], costs[more][1])} | {
+            f"step k={k}": (ms, costs[more][0][k]) for k, ms in costs[less][0].items() if k in costs[more][0]}
+        name, (a, b) = max(calls.items(), key=lambda item: item[1][0] / item[1][1])
+        if a > (1.0 + TOLERANCE) * b:
+            problems.append(f"the {name} call at batch {less[0]} after {less[1]} tokens took {a:.1f} ms, "
+                            f"{a / b:.2f}x the same call with {what} (batch {more[0]} after {more[1]} tokens)")
+    for (batch, context), calls in sorted((spreads or {}).items()):
+        name, worst = max(calls.items(), key=lambda item: item[1])
+        if worst > MAX_ROUND_SPREAD:
+            problems.append(f"batch {batch} after {context} tokens: the {name} call's rounds spread +-{worst:.0%}")
+    return problems
+
+
+def _ordered_pairs(keys: Iterable[Key]) -> list[tuple[Key, Key, str]]:
+    """Pairs (less work, more work, how) of keys that differ in context alone or in batch size alone."""
+    ordered = sorted(keys)
+    return [(a, b, "more cached tokens" if a[0] == b[0] else "more rows")
+            for i, a in enumerate(ordered) for b in ordered[i + 1:]
+            if (a[0] == b[0] and a[1] < b[1]) or (a[1] == b[1] and a[0] < b[0])]
 
 
 def acceptance_curve(accepted: Sequence[int], max_drafts: int) -> list[float]:
@@ -127,6 +189,16 @@ class WidthChoice:
     source: str = ""  # what the figures were measured on
     by_batch: Mapping[int, BatchWidth] = field(default_factory=dict)  # batch size -> its width (0..K)
     by_context: Mapping[int, BatchWidth] = field(default_factory=dict)  # cached tokens -> batch 1's width there
+    machine: Mapping[str, Any] = field(default_factory=dict)  # this_machine() where it was measured ({}: unknown)
+    noise: Sequence[str] = ()  # what ``implausible`` still found in the costs kept (empty: nothing)
+
+    def measured_elsewhere(self) -> str | None:
+        """Why this choice may not fit this machine (None when it was measured on one like it, or unknown)."""
+        here = this_machine()
+        if not self.machine or dict(self.machine) == here:
+            return None
+        return (f"calibrated on {self.machine.get('cpu')} ({self.machine.get('cpus')} CPUs), running on "
+                f"{here['cpu']} ({here['cpus']} CPUs)")
 
     def drafts_for(self, batch: int, *, drafting: bool = False, context: int | None = None) -> int:
         """Drafts a greedy step of ``batch`` sequences verifies, 0..K: at batch 1 with ``context``
@@ -185,7 +257,8 @@ class WidthChoice:
                 "step_ms": {str(k): v for k, v in sorted(self.step_ms.items())}, "decode_ms": self.decode_ms,
                 "source": self.source, "rows": {str(k): v for k, v in self.rows().items()},
                 "by_batch": {str(b): w.to_dict() for b, w in sorted(self.by_batch.items())},
-                "by_context": {str(c): w.to_dict() for c, w in sorted(self.by_context.items())}}
+                "by_context": {str(c): w.to_dict() for c, w in sorted(self.by_context.items())},
+                "machine": dict(self.machine), "noise": list(self.noise)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WidthChoice:
@@ -195,14 +268,16 @@ class WidthChoice:
                    {int(k): float(v) for k, v in data["step_ms"].items()},
                    None if data.get("decode_ms") is None else float(data["decode_ms"]), str(data.get("source", "")),
                    {int(b): BatchWidth.from_dict(w) for b, w in data.get("by_batch", {}).items()},
-                   {int(c): BatchWidth.from_dict(w) for c, w in data.get("by_context", {}).items()})
+                   {int(c): BatchWidth.from_dict(w) for c, w in data.get("by_context", {}).items()},
+                   dict(data.get("machine", {})), tuple(str(n) for n in data.get("noise", ())))
 
 
 Costs = Mapping[int, tuple[Mapping[int, float], float]]  # batch size or context -> (k -> step ms, decode ms)
 
 
 def choose(step_ms: Mapping[int, float], curve: Sequence[float], *, decode_ms: float | None = None,
-           source: str = "", batch_ms: Costs | None = None, context_ms: Costs | None = None) -> WidthChoice:
+           source: str = "", batch_ms: Costs | None = None, context_ms: Costs | None = None,
+           machine: Mapping[str, Any] | None = None, noise: Sequence[str] = ()) -> WidthChoice:
     """The k of ``step_ms`` (k -> cost) that maximises expected tokens per step / cost; ties go to the
     larger k. ``batch_ms`` (batch size -> (step_ms, decode_ms) there) adds each batch size's width
     in 0..K (``speculation_pays``), ``context_ms`` (cached tokens -> the same at batch 1) each context's.
@@ -219,7 +294,7 @@ def choose(step_ms: Mapping[int, float], curve: Sequence[float], *, decode_ms: f
     _check_costs(step_ms, len(curve))
     step_ms = nondecreasing(step_ms)
     return WidthChoice(best_drafting_width(curve, step_ms), tuple(curve), step_ms, decode_ms, source,
-                       tables["batch"], tables["context"])
+                       tables["batch"], tables["context"], dict(machine or {}), tuple(noise))
 
 
 def _check_costs(step_ms: Mapping[int, float], most: int) -> None:
