@@ -88,7 +88,7 @@ def _one_matmul(blocks: Q4Blocks | Q8Blocks, level: int = FP32_COMPUTE) -> tuple
     holding W's blocks at accuracy ``level``."""
     n, k = blocks.shape
     wt = np.ascontiguousarray(blocks.dequantize().T)  # [K, N]
-    head = isinstance(blocks, Q8Blocks)
+    head = blocks.name == HEAD_NAME
     node = helper.make_node("MatMul", ["x", "onnx::MatMul_7"], ["y"],
                             name="/target/lm_head/MatMul" if head else "/target/q_proj/MatMul")
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", k])],
@@ -252,7 +252,7 @@ def test_a_tied_heads_embedding_gather_is_untouched() -> None:
 
 
 def test_an_8bit_head_needs_accuracy_level_4() -> None:
-    with pytest.raises(ConfigError, match="8-bit LM head runs at accuracy level 4 only"):
+    with pytest.raises(ConfigError, match="a Q8_0 LM head runs at accuracy level 4 only"):
         Int4Plan(RTN, {}, {}, accuracy_level=FP32_COMPUTE, head=_q8_blocks(32, 32))
     with pytest.raises(ConfigError, match="accuracy level must be one of"):
         Int4Plan(RTN, {}, {}, accuracy_level=1)
@@ -477,10 +477,10 @@ def test_the_demo_ggufs_first_q4_1_tensor_reads_exactly(smollm2_gguf: Path) -> N
 # --------------------------------------------------------------------------------------------- an engine
 
 
-def _bundled_engine(tmp_path_factory, level: int, draft_format: str | None = None):
+def _bundled_engine(tmp_path_factory, level: int, draft_format: str | None = None, head: str | None = None):
     """The bundled tiny pair (not a GGUF: round-to-nearest Q4_1, and at level 4 a round-to-nearest
-    Q8_0 head; its head is untied) as an int4 engine at accuracy ``level`` (the draft: ``draft_format``,
-    else the level's default), and its plan."""
+    head, Q8_0 or ``head``; its head is untied) as an int4 engine at accuracy ``level`` (the draft:
+    ``draft_format``, else the level's default), and its plan."""
     from dlite_trt.bundled import bundled_pair
     from dlite_trt.engine.build import BuildSettings, build_engine
     from dlite_trt.export.contract import EngineLimits
@@ -489,16 +489,16 @@ def _bundled_engine(tmp_path_factory, level: int, draft_format: str | None = Non
     target, draft = bundled_pair()
     out = tmp_path_factory.mktemp(f"int4-l{level}") / "engine"
     settings = BuildSettings(weights="int4", int4_accuracy_level=level, draft_weights=draft_format,
-                             limits=EngineLimits(**LIMITS))
+                             head_weights=head, limits=EngineLimits(**LIMITS))
     manifest = build_engine(target, draft, out, settings, progress=False)
     pair = load_pair(target, draft)
-    plan = plan_int4(pair.generator.target, pair.source.spec, pair.source.path, level)
+    plan = plan_int4(pair.generator.target, pair.source.spec, pair.source.path, level, head_format=head or "Q4_0")
     return out, manifest, pair, with_draft(plan, pair.generator.draft, draft_format or default_draft_format("int4", level, True))
 
 
 @pytest.fixture(scope="module")
 def bundled_int4(tmp_path_factory):
-    """The default: accuracy level 4, the LM head and the draft 8-bit."""
+    """The default: accuracy level 4, the LM head 4-bit, the draft 8-bit."""
     return _bundled_engine(tmp_path_factory, INT8_ACTIVATIONS)
 
 
@@ -512,7 +512,13 @@ def bundled_int4_q4_draft(tmp_path_factory):
     return _bundled_engine(tmp_path_factory, INT8_ACTIVATIONS, "Q4_1")
 
 
-@pytest.mark.parametrize(("engine", "level", "head", "draft"), [("bundled_int4", 4, "Q8_0", "Q8_0"),
+@pytest.fixture(scope="module")
+def bundled_int4_q8_head(tmp_path_factory):
+    return _bundled_engine(tmp_path_factory, INT8_ACTIVATIONS, head="Q8_0")
+
+
+@pytest.mark.parametrize(("engine", "level", "head", "draft"), [("bundled_int4", 4, "Q4_0", "Q8_0"),
+                                                                ("bundled_int4_q8_head", 4, "Q8_0", "Q8_0"),
                                                                 ("bundled_int4_l0", 0, "float", "float")])
 def test_int4_manifest_records_the_weight_format(engine: str, level: int, head: str, draft: str, request) -> None:
     from dlite_trt.engine.manifest import Manifest
@@ -550,7 +556,7 @@ def test_a_float_weight_record_without_the_int4_fields_reads_as_float() -> None:
                                    "gguf_sha256": None})
     assert fp32 == WeightFormat() and fp32.describe("fp32") == "fp32"
     assert WeightFormat.from_dict(WeightFormat("int4", ("Q4_0",), GGUF, 3, "ab", 0).to_dict()).accuracy_level == 0
-    with pytest.raises(EngineError, match="Q8_0 only at accuracy level 4"):
+    with pytest.raises(EngineError, match="quantized only at accuracy level 4"):
         WeightFormat("int4", ("Q4_1",), RTN, 3, None, 0, "Q8_0")
     with pytest.raises(EngineError, match="inconsistent"):
         WeightFormat("int4", ("Q4_1",), RTN, 3)  # no accuracy level
@@ -591,14 +597,14 @@ def _nbits_nodes(model: onnx.ModelProto) -> dict[str, dict]:
             for n in model.graph.node if n.op_type == "MatMulNBits"}
 
 
-def test_int4_weights_are_stored_once_for_all_graphs(bundled_int4) -> None:
+def test_int4_weights_are_stored_once_for_all_graphs(bundled_int4_q8_head) -> None:
     """Every int4 and 8-bit tensor of every graph points at one place in weights.bin; every graph
-    runs the head 8-bit at level 4 and the projections 4-bit, each matrix exactly where the model
+    runs the head 8-bit (--head-weights Q8_0) and the projections 4-bit, each matrix exactly where the model
     multiplies by it (stacked with the others of its activation: q/k/v, gate/up), and its embedding
     Gathers (the target's, and the draft's in the step and prefill graphs) read the float embedding."""
     from onnx.external_data_helper import ExternalDataInfo
 
-    out, manifest, pair, plan = bundled_int4
+    out, manifest, pair, plan = bundled_int4_q8_head
     embed = pair.generator.target.embed_weight.detach().numpy()
     k = pair.generator.draft.cfg.num_proposals  # the head projects onto its vocabulary once a drafted token
     layers = pair.source.spec.num_hidden_layers
@@ -635,12 +641,13 @@ def test_int4_weights_are_stored_once_for_all_graphs(bundled_int4) -> None:
 PROMPTS = ("def main():\n    ", "import os\nimport")
 
 
-@pytest.mark.parametrize("engine", ["bundled_int4", "bundled_int4_l0", "bundled_int4_q4_draft"])
+@pytest.mark.parametrize("engine", ["bundled_int4", "bundled_int4_l0", "bundled_int4_q4_draft", "bundled_int4_q8_head"])
 def test_int4_speculative_greedy_equals_its_target_only_greedy(engine: str, request) -> None:
     """At both levels (at level 4 through attention "gqa", the default: a verify and a decode call
     compute every position alike, tests/test_call_rows.py; over attention "ops" level 4's int8
-    rounding magnifies their different attention sums into different tokens at near-ties), and with
-    the draft 8-bit (the level-4 default), 4-bit and float (level 0)."""
+    rounding magnifies their different attention sums into different tokens at near-ties), with
+    the draft 8-bit (the level-4 default), 4-bit and float (level 0), and the head 4-bit (the
+    default) and 8-bit."""
     from dlite_trt.runtime.engine import open_engine
     from dlite_trt.runtime.session import SamplingParams
 
@@ -734,6 +741,33 @@ def test_int4_settings_are_checked() -> None:
         BuildSettings(weights="int4", draft_weights="Q2_K")
     with pytest.raises(EngineError, match="draft format must be one of"):
         WeightFormat("int4", ("Q4_1",), RTN, 3, None, 0, "float", "Q8_0", 3)  # a quantized draft at level 0
+    with pytest.raises(ConfigError, match="LM head's weights are one of"):
+        BuildSettings(weights="int4", head_weights="Q2_K")
+    for settings in ({}, {"weights": "int4", "int4_accuracy_level": 0}):
+        with pytest.raises(ConfigError, match="--head-weights Q4_0: the LM head is quantized in int4 engines at"):
+            BuildSettings(head_weights="Q4_0", **settings)
+    with pytest.raises(EngineError, match="quantized only at accuracy level 4"):
+        WeightFormat("int4", ("Q4_1",), RTN, 3, None, 0, "Q4_0")
+    with pytest.raises(ConfigError, match="a Q4_0 LM head runs at accuracy level 4 only"):
+        Int4Plan(RTN, {}, {}, accuracy_level=FP32_COMPUTE, head=quantize_rtn(HEAD_NAME, np.ones((32, 32)), "Q4_0"))
+
+
+def test_a_4bit_head_runs_in_every_graph_as_its_q4_0_blocks(bundled_int4) -> None:
+    """The default head (--head-weights Q4_0): every graph multiplies by the head as one 4-bit
+    MatMulNBits (no zero points: the kernel's symmetric default) over gguf's round-to-nearest Q4_0
+    blocks of the head, and that node's output equals numpy on those blocks within level 4's int8 bound."""
+    out, manifest, pair, plan = bundled_int4
+    head = pair.generator.target.lm_head.weight.detach().float().numpy()
+    want = quantize_rtn(HEAD_NAME, head, "Q4_0")
+    assert plan.head.scheme == "Q4_0" and np.array_equal(plan.head.codes, want.codes)
+    for graph, paths in manifest.graphs.items():
+        model = onnx.load(str(out / paths["onnx"]), load_external_data=False)
+        (node,) = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith(HEAD_NAME)]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        assert (attrs["bits"], attrs["accuracy_level"], len(node.input)) == (4, 4, 3), graph
+    model, head_plan = _one_matmul(want, INT8_ACTIVATIONS)
+    assert head_plan.head is want and quantize_model(model, head_plan, "test") == 1
+    _check_against_blocks(model, want, INT8_ACTIVATIONS)
 
 
 def test_the_accuracy_level_option_needs_dtype_int4() -> None:
@@ -741,6 +775,6 @@ def test_the_accuracy_level_option_needs_dtype_int4() -> None:
 
     from dlite_trt.cli.build import command
 
-    for option, value in (("--int4-accuracy-level", "0"), ("--int4-blocks", "ggml")):
+    for option, value in (("--int4-accuracy-level", "0"), ("--int4-blocks", "ggml"), ("--head-weights", "Q4_0")):
         result = CliRunner().invoke(command, ["--out", "x", option, value])
         assert result.exit_code == 2 and f"{option} applies to --dtype int4 only" in result.output

@@ -7,7 +7,14 @@ from pathlib import Path
 import click
 
 from dlite_trt.cli.inputs import check_random_weights
-from dlite_trt.export.nbits_levels import BLOCK_FORMS, DEFAULT_BLOCKS, DRAFT_FORMATS, ZP_SCHEME
+from dlite_trt.export.nbits_levels import (
+    BLOCK_FORMS,
+    DEFAULT_BLOCKS,
+    DEFAULT_HEAD,
+    DRAFT_FORMATS,
+    HEAD_WEIGHTS,
+    ZP_SCHEME,
+)
 
 DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings when that is less
 
@@ -33,11 +40,17 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
 @click.option("--int4-accuracy-level", "int4_accuracy_level", type=click.Choice(["4", "0"]), default=None,
               help="With --dtype int4: MatMulNBits' accuracy level [default: 4 with --attention gqa, else 0]. "
                    "4: int8 activations inside the quantized matmuls (per block of 32, as onnxruntime-genai's CPU "
-                   "int4 models run) and the LM head 8-bit (a GGUF's own Q8_0 head), faster "
+                   "int4 models run) and the LM head quantized (--head-weights), faster "
                    "(docs/engine.md). 0: fp32 compute, weight-only: fp32 arithmetic on the dequantized weights, the LM head "
                    "float. Speculative output equals the engine's target-only greedy at both levels with "
                    "--attention gqa; with --attention ops only at level 0 (a verify and a decode call sum "
                    "attention in another order, which level 4's int8 rounding turns into other tokens at near-ties).")
+@click.option("--head-weights", "head_weights", type=click.Choice(HEAD_WEIGHTS), default=None,
+              help="With --dtype int4 at accuracy level 4: the LM head's blocks [default: " + DEFAULT_HEAD + "]. "
+                   "Q8_0: 8-bit (a GGUF's own Q8_0 head exactly). Q4_0: 4-bit symmetric, round-to-nearest (as "
+                   "onnxruntime-genai's int4 models store their head): half the head's bytes a token reads, "
+                   "another rounding of the logits. Speculative output equals the engine's own target-only greedy "
+                   "either way (docs/engine.md).")
 @click.option("--draft-weights", "--int4-draft", "draft_weights", type=click.Choice(DRAFT_FORMATS), default=None,
               help="How the draft's matrices (its layers' projections and its head's vocabulary-sized output "
                    "projection) are stored [default: Q8_0 in onnxruntime fp32 engines and in int4 ones at accuracy "
@@ -67,7 +80,8 @@ DEFAULT_MAX_SEQ_LEN = 4096  # lowered to the target's max_position_embeddings wh
                    "all K drafts).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def command(target: str | None, draft: Path | None, out: Path, backend: str, dtype: str,
-            int4_accuracy_level: str | None, int4_blocks: str | None, draft_weights: str | None, attention: str | None,
+            int4_accuracy_level: str | None, int4_blocks: str | None, head_weights: str | None,
+            draft_weights: str | None, attention: str | None,
             workspace_gb: float,
             timing_cache: Path | None, max_seq_len: int | None,
             max_batch: int, max_chunk: int, random_weights: bool, no_calibrate: bool, quiet: bool) -> None:
@@ -82,7 +96,8 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     from dlite_trt.export.contract import EngineLimits
 
     check_random_weights(random_weights, target)
-    for option, value in (("--int4-accuracy-level", int4_accuracy_level), ("--int4-blocks", int4_blocks)):
+    for option, value in (("--int4-accuracy-level", int4_accuracy_level), ("--int4-blocks", int4_blocks),
+                          ("--head-weights", head_weights)):
         if value is not None and dtype != "int4":
             raise click.UsageError(f"{option} applies to --dtype int4 only.")
     hf_logging.disable_progress_bar()
@@ -91,6 +106,7 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     level = {} if int4_accuracy_level is None else {"int4_accuracy_level": int(int4_accuracy_level)}
     settings = BuildSettings(backend=backend, dtype=dtype, weights=weights, random_weights=random_weights,
                              workspace_gb=workspace_gb, attention=attention, draft_weights=draft_weights,
+                             head_weights=head_weights,
                              int4_blocks=int4_blocks or DEFAULT_BLOCKS, **level,
                              timing_cache=timing_cache, fit_seq_len_to_target=max_seq_len is None,
                              limits=EngineLimits(max_batch=max_batch, max_seq_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,

@@ -45,7 +45,9 @@ from dlite_trt.export.int4 import ACCURACY_LEVELS, DRAFT_FORMATS, draft_only, pl
 from dlite_trt.export.nbits_levels import (
     BLOCK_FORMS,
     DEFAULT_BLOCKS,
+    DEFAULT_HEAD,
     FP32_COMPUTE,
+    HEAD_WEIGHTS,
     INT8_ACTIVATIONS,
     default_accuracy_level,
     default_draft_format,
@@ -60,12 +62,14 @@ class BuildSettings:
     backend: str = "onnxruntime"
     dtype: str = "fp32"  # activations and KV cache (and every weight, unless `weights` says otherwise)
     weights: str = "float"  # "int4": the target's projections 4-bit weight-only (export/int4.py)
-    # int4: MatMulNBits accuracy_level, 4 (and an 8-bit head) or 0; None: default_accuracy_level(attention), at build
+    # int4: MatMulNBits accuracy_level, 4 (and a quantized head) or 0; None: default_accuracy_level(attention), at build
     int4_accuracy_level: int | None = None
     # the draft's matrices, one of DRAFT_FORMATS (quantized: QUANTIZED_DRAFT_BUILDS); None: default_draft_format()
     draft_weights: str | None = None
     # int4: the target's blocks, one of BLOCK_FORMS (export/nbits_levels.py)
     int4_blocks: str = DEFAULT_BLOCKS
+    # int4 at accuracy level 4: the LM head's blocks, one of HEAD_WEIGHTS; None: DEFAULT_HEAD
+    head_weights: str | None = None
     # how the target attends over the KV cache (export/contract.py ATTENTIONS); None: default_attention(),
     # chosen at build time (it depends on the target's head_dim)
     attention: str | None = None
@@ -99,6 +103,11 @@ class BuildSettings:
                               f"{self.int4_accuracy_level!r}")
         if self.int4_blocks not in BLOCK_FORMS:
             raise ConfigError(f"int4 blocks must be one of {BLOCK_FORMS}, got {self.int4_blocks!r}")
+        if self.head_weights is not None and self.head_weights not in HEAD_WEIGHTS:
+            raise ConfigError(f"the LM head's weights are one of {HEAD_WEIGHTS}, not {self.head_weights!r}")
+        if self.head_weights is not None and (self.weights != "int4" or self.int4_accuracy_level == FP32_COMPUTE):
+            raise ConfigError(f"--head-weights {self.head_weights}: the LM head is quantized in int4 engines at "
+                              f"accuracy level {INT8_ACTIVATIONS} only (elsewhere it stays in the engine's dtype)")
         if self.draft_weights is not None and self.draft_weights not in DRAFT_FORMATS:
             raise ConfigError(f"the draft's weights are one of {DRAFT_FORMATS}, not {self.draft_weights!r}")
         if self.draft_weights not in (None, "float") and (self.backend, self.dtype) not in QUANTIZED_DRAFT_BUILDS:
@@ -240,7 +249,8 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
         if int4:
             advance("int4: the target's projection matrices in 4-bit blocks (a GGUF's own, else round-to-nearest)")
             plan = with_draft(plan_int4(pair.generator.target, spec, pair.source.path, settings.int4_accuracy_level,
-                                        settings.int4_blocks), pair.generator.draft, settings.draft_weights)
+                                        settings.int4_blocks, settings.head_weights or DEFAULT_HEAD),
+                              pair.generator.draft, settings.draft_weights)
             weights = WeightFormat("int4", plan.schemes, plan.origin, len(plan.matrices), plan.gguf_sha256,
                                    plan.accuracy_level, plan.head_format, plan.draft_format, len(plan.draft))
         elif settings.draft_weights != "float":

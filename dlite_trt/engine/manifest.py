@@ -25,7 +25,7 @@ from dlite_trt.export.nbits_levels import (
     ACCURACY_LEVELS,
     DRAFT_FORMATS,
     FP32_COMPUTE,
-    HEAD_SCHEME,
+    HEAD_WEIGHTS,
     INT8_ACTIVATIONS,
     ZP_SCHEME,
 )
@@ -47,7 +47,7 @@ QUANTIZED_DRAFT_BUILDS = (("onnxruntime", "fp32"),)  # where the draft's matrice
 
 
 WEIGHT_ORIGINS = ("gguf", "round-to-nearest")  # int4: the GGUF's own blocks, or quantized at build
-HEAD_FORMATS = ("float", HEAD_SCHEME)  # int4: the LM head in the engine's dtype, or 8-bit Q8_0 blocks
+HEAD_FORMATS = ("float", *HEAD_WEIGHTS)  # int4: the LM head in the engine's dtype, or Q8_0 / Q4_0 blocks
 ACCURACY_MEANING = {INT8_ACTIVATIONS: "int8 activations in the quantized matmuls (accuracy level 4)",
                     FP32_COMPUTE: "fp32 compute in the quantized matmuls (accuracy level 0, weight-only)"}
 
@@ -61,7 +61,8 @@ class WeightFormat:
     4-bit blocks (``schemes``, e.g. Q4_1) on ONNX Runtime's MatMulNBits, from ``origin``: the GGUF's
     own blocks (``gguf_sha256``) or round-to-nearest at build; run at MatMulNBits ``accuracy_level``
     4 (int8 activations per block) or 0 (fp32 compute); ``head`` "Q8_0": the LM head as 8-bit
-    blocks from the same origin (level 4 only), "float": in ``dtype``; everything else in ``dtype``.
+    blocks from the same origin, "Q4_0": as 4-bit symmetric blocks round-to-nearest (both level 4
+    only), "float": in ``dtype``; everything else in ``dtype``.
     ``draft`` "Q8_0" / "Q4_1" (any format; in an int4 engine at level 4 only): the draft's
     ``draft_matrices`` matrices (its layers' projections and its head's output projection)
     round-to-nearest in those blocks, run at accuracy level 4; "float": in ``dtype``.
@@ -94,7 +95,7 @@ class WeightFormat:
         if self.accuracy_level is not None and self.accuracy_level not in ACCURACY_LEVELS:
             raise EngineError(f"int4 accuracy level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level!r}")
         if self.head not in HEAD_FORMATS or (self.head != "float" and self.accuracy_level != INT8_ACTIVATIONS):
-            raise EngineError(f"LM head format must be one of {HEAD_FORMATS}, {HEAD_SCHEME} only at accuracy level "
+            raise EngineError(f"LM head format must be one of {HEAD_FORMATS}, quantized only at accuracy level "
                               f"{INT8_ACTIVATIONS}; got {self.head!r} at level {self.accuracy_level!r}")
         if self.draft not in DRAFT_FORMATS or (self.draft != "float") != (self.draft_matrices > 0) or (
                 self.draft != "float" and quantized and self.accuracy_level != INT8_ACTIVATIONS):

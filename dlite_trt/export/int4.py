@@ -11,10 +11,14 @@ What is quantized and what stays float (``dlite-trt build --dtype int4``):
   with "native" (the default) every matrix runs in a form MatMulNBits takes whole: a Q4_0 GGUF's
   blocks as they are, a Q4_1 GGUF's re-fitted into Q4_ZP (``native_blocks``), any other target
   fitted into Q4_ZP (``fit_zero_point``).
-- 8-bit, at accuracy level 4 only: the LM head (tied to the embedding or not), as ``MatMulNBits``
-  bits=8 from Q8_0 blocks (fp16 scale d per 32 weights, w = d * q, q int8): a GGUF's own head
-  blocks when the file stores it as Q8_0 (SmolLM2's tied token_embd), else round-to-nearest Q8_0
-  by gguf's quantizer for a target that is no GGUF. A GGUF head of another type stays float.
+- 4-bit (the default, ``--head-weights Q4_0``) or 8-bit (``Q8_0``), at accuracy level 4 only: the
+  LM head (tied to the embedding or not). Q4_0: blocks round-to-nearest from the converted
+  weights (a GGUF's head re-rounded), ``MatMulNBits`` bits=4 with the kernel's default zero point,
+  as onnxruntime-genai's int4 models store their head (half the bytes a token reads of Q8_0's,
+  the head being a fifth of SmolLM2's weights). Q8_0: bits=8 from Q8_0 blocks (fp16 scale d per
+  32 weights, w = d * q, q int8): a GGUF's own head blocks when the file stores it as Q8_0
+  (SmolLM2's tied token_embd), else round-to-nearest Q8_0 by gguf's quantizer for a target that
+  is no GGUF; a GGUF head of another type then stays float.
 - 8-bit (Q8_0, the default) or 4-bit (Q4_1), at accuracy level 4 only (``with_draft``,
   ``--draft-weights``; in fp32 engines too, ``draft_only``): the draft's matrices that run as a product of activations and a weight,
   round-to-nearest: every ``nn.Linear`` of its layers and its head's vocabulary-sized output
@@ -92,7 +96,10 @@ from dlite_trt.export.nbits_levels import (  # noqa: F401 (re-exported: the buil
     DEFAULT_BLOCKS,
     DRAFT_FORMATS,
     FP32_COMPUTE,
+    DEFAULT_HEAD,
+    HEAD_Q4,
     HEAD_SCHEME,
+    HEAD_WEIGHTS,
     INT8_ACTIVATIONS,
     ZP_SCHEME,
 )
@@ -222,15 +229,16 @@ def blocks_from_ggml(name: str, scheme: str, raw: np.ndarray, shape: tuple[int, 
     return Q4Blocks(name, scheme, np.ascontiguousarray(codes), scales, mins)
 
 
-def quantize_rtn(name: str, weight: np.ndarray) -> Q4Blocks:
-    """Round-to-nearest Q4_1 (min/max per block of 32), by gguf's quantizer: llama.cpp's layout."""
+def quantize_rtn(name: str, weight: np.ndarray, scheme: str = "Q4_1") -> Q4Blocks:
+    """Round-to-nearest Q4_1 (min/max per block of 32) or Q4_0 (symmetric: the signed extreme per
+    block at code 0), by gguf's quantizer: llama.cpp's layout."""
     from gguf import GGMLQuantizationType, quants
 
     if weight.ndim != 2 or weight.shape[1] % BLOCK:
         raise ConfigError(f"--dtype int4 quantizes blocks of {BLOCK} along a matrix's input dim; {name} is "
                           f"{tuple(weight.shape)}. Build this target with --dtype fp32.")
-    raw = quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), GGMLQuantizationType.Q4_1)
-    return blocks_from_ggml(name, "Q4_1", raw, weight.shape)
+    raw = quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), GGMLQuantizationType[scheme])
+    return blocks_from_ggml(name, scheme, raw, weight.shape)
 
 
 @dataclass(frozen=True, eq=False)
@@ -286,7 +294,7 @@ def quantize_q8_rtn(name: str, weight: np.ndarray) -> Q8Blocks:
 
 @dataclass(frozen=True)
 class Int4Plan:
-    """The target matrices to store int4 (and the LM head 8-bit), where their blocks came from, and
+    """The target matrices to store int4 (and the LM head 4- or 8-bit), where their blocks came from, and
     the MatMulNBits accuracy level they run at."""
 
     origin: str  # GGUF: the file's own blocks; RTN: quantized at build
@@ -294,7 +302,7 @@ class Int4Plan:
     keys: dict[str, str] = field(default_factory=dict)  # sha256 of the fp32 W^T bytes -> parameter name
     gguf_sha256: str | None = None
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
-    head: Q8Blocks | None = None  # the LM head 8-bit (accuracy level 4 only); None: it stays float
+    head: Q8Blocks | Q4Blocks | None = None  # the LM head Q8_0 or Q4_0 (accuracy level 4 only); None: float
     # the draft's matrices (``draft.``-prefixed parameter names; accuracy level 4 only), found in the graphs
     # that run the draft; their sha256 keys are in ``keys`` too
     draft: dict[str, Q4Blocks | Q8Blocks] = field(default_factory=dict)
@@ -303,8 +311,9 @@ class Int4Plan:
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level!r}")
         if self.head is not None and self.accuracy_level != INT8_ACTIVATIONS:
-            raise ConfigError(f"an 8-bit LM head runs at accuracy level {INT8_ACTIVATIONS} only (at level "
-                              f"{self.accuracy_level} MatMulNBits bits=8 is ~20x slower than a float MatMul)")
+            raise ConfigError(f"a {self.head.scheme} LM head runs at accuracy level {INT8_ACTIVATIONS} only (at level "
+                              f"{self.accuracy_level} MatMulNBits bits=8 is ~20x slower than a float MatMul, and "
+                              "more than one row of bits=4 dequantizes the whole matrix first)")
         if self.draft and self.accuracy_level != INT8_ACTIVATIONS:
             raise ConfigError(f"a quantized draft runs at accuracy level {INT8_ACTIVATIONS} only (at level "
                               f"{self.accuracy_level} a MatMulNBits of more than one row dequantizes its whole matrix "
@@ -431,19 +440,22 @@ def gguf_head_blocks(path: Path, spec, shape: tuple[int, int]) -> Q8Blocks | Non
 
 
 def plan_int4(target, spec, target_dir: Path | None, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-              blocks: str = DEFAULT_BLOCKS) -> Int4Plan:
+              blocks: str = DEFAULT_BLOCKS, head_format: str = DEFAULT_HEAD) -> Int4Plan:
     """What ``--dtype int4`` stores for a target: a GGUF conversion's own blocks (checked to
     dequantize bit for bit to the converted fp32 weights), else round-to-nearest Q4_1; with
     ``blocks`` "native" (``BLOCK_FORMS``) in MatMulNBits' own forms instead (``native_blocks``: a
     Q4_1 GGUF's re-fitted, other targets fitted into Q4_ZP from their weights); at accuracy level 4
-    also the LM head as Q8_0 (the GGUF's own where it stores Q8_0, else round-to-nearest, and float
-    for a GGUF head of another type)."""
+    also the LM head in ``head_format``: Q8_0 (the GGUF's own where it stores Q8_0, else
+    round-to-nearest, and float for a GGUF head of another type) or Q4_0 (round-to-nearest from the
+    converted weights, a GGUF's or not)."""
     from dlite_trt.gguf_import import gguf_origin, read_import_record
 
     if accuracy_level not in ACCURACY_LEVELS:
         raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got {accuracy_level!r}")
     if blocks not in BLOCK_FORMS:
         raise ConfigError(f"int4 blocks must be one of {BLOCK_FORMS}, got {blocks!r}")
+    if head_format not in HEAD_WEIGHTS:
+        raise ConfigError(f"the LM head of an int4 engine is stored as one of {HEAD_WEIGHTS}, not {head_format!r}")
     weights = target_projections(target)
     keys = {_weight_key(w.T): name for name, w in weights.items()}
     head_weight = None  # [V, H]
@@ -451,15 +463,21 @@ def plan_int4(target, spec, target_dir: Path | None, accuracy_level: int = DEFAU
         head_weight = target.lm_head.weight.detach().float().cpu().numpy()
         keys[_weight_key(head_weight.T)] = HEAD_NAME
     gguf_file = gguf_origin(target_dir) if target_dir is not None else None
+    rounded = head_weight is not None and (head_format == HEAD_Q4 or gguf_file is None)
+    head = None
+    if rounded:
+        head = quantize_rtn(HEAD_NAME, head_weight, HEAD_Q4) if head_format == HEAD_Q4 else \
+            quantize_q8_rtn(HEAD_NAME, head_weight)
     if gguf_file is None:
-        head = quantize_q8_rtn(HEAD_NAME, head_weight) if head_weight is not None else None
         quantize = fit_zero_point if blocks == "native" else quantize_rtn
         return Int4Plan(RTN, {n: quantize(n, w) for n, w in weights.items()}, keys,
                         accuracy_level=accuracy_level, head=head)
     matrices = gguf_blocks(gguf_file, spec, {n: w.shape for n, w in weights.items()})
-    head = gguf_head_blocks(gguf_file, spec, head_weight.shape) if head_weight is not None else None
+    if head_weight is not None and not rounded:
+        head = gguf_head_blocks(gguf_file, spec, head_weight.shape)
     converted = dict(weights) | ({HEAD_NAME: head_weight} if head is not None else {})
-    for name, stored in [*matrices.items(), *([(HEAD_NAME, head)] if head is not None else [])]:
+    kept = [*matrices.items(), *([(HEAD_NAME, head)] if head is not None and not rounded else [])]
+    for name, stored in kept:
         if not np.array_equal(stored.dequantize(), converted[name]):
             raise EngineError(f"the {stored.scheme} blocks of {name} in {gguf_file} do not dequantize to the weights "
                               f"converted from it in {target_dir}; delete that directory (the conversion cache) "
