@@ -513,12 +513,18 @@ def bundled_int4_q4_draft(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def bundled_int4_q4_0_draft(tmp_path_factory):
+    return _bundled_engine(tmp_path_factory, INT8_ACTIVATIONS, "Q4_0")
+
+
+@pytest.fixture(scope="module")
 def bundled_int4_q8_head(tmp_path_factory):
     return _bundled_engine(tmp_path_factory, INT8_ACTIVATIONS, head="Q8_0")
 
 
 @pytest.mark.parametrize(("engine", "level", "head", "draft"), [("bundled_int4", 4, "Q4_0", "Q8_0"),
                                                                 ("bundled_int4_q8_head", 4, "Q8_0", "Q8_0"),
+                                                                ("bundled_int4_q4_0_draft", 4, "Q4_0", "Q4_0"),
                                                                 ("bundled_int4_l0", 0, "float", "float")])
 def test_int4_manifest_records_the_weight_format(engine: str, level: int, head: str, draft: str, request) -> None:
     from dlite_trt.engine.manifest import Manifest
@@ -533,7 +539,7 @@ def test_int4_manifest_records_the_weight_format(engine: str, level: int, head: 
     text = manifest.weights.describe(manifest.dtype)
     assert text.startswith("int4 weights (Q4_ZP quantized round-to-nearest at build, 28 target matrices; LM head ")
     assert f"(accuracy level {level}" in text and (f"LM head {head}" if level == 4 else "LM head fp32") in text
-    assert (f"draft Q8_0 ({draft_matrices} matrices)" if draft != "float" else "draft fp32") in text
+    assert (f"draft {draft} ({draft_matrices} matrices)" if draft != "float" else "draft fp32") in text
     # a record from before the draft could be quantized reads as a float draft
     old = {k: v for k, v in manifest.weights.to_dict().items() if not k.startswith("draft")}
     assert WeightFormat.from_dict(old).draft == "float"
@@ -641,13 +647,14 @@ def test_int4_weights_are_stored_once_for_all_graphs(bundled_int4_q8_head) -> No
 PROMPTS = ("def main():\n    ", "import os\nimport")
 
 
-@pytest.mark.parametrize("engine", ["bundled_int4", "bundled_int4_l0", "bundled_int4_q4_draft", "bundled_int4_q8_head"])
+@pytest.mark.parametrize("engine", ["bundled_int4", "bundled_int4_l0", "bundled_int4_q4_draft", "bundled_int4_q4_0_draft",
+                                    "bundled_int4_q8_head"])
 def test_int4_speculative_greedy_equals_its_target_only_greedy(engine: str, request) -> None:
     """At both levels (at level 4 through attention "gqa", the default: a verify and a decode call
     compute every position alike, tests/test_call_rows.py; over attention "ops" level 4's int8
     rounding magnifies their different attention sums into different tokens at near-ties), with
-    the draft 8-bit (the level-4 default), 4-bit and float (level 0), and the head 4-bit (the
-    default) and 8-bit."""
+    the draft 8-bit (the level-4 default), 4-bit (Q4_1, Q4_0) and float (level 0), and the head
+    4-bit (the default) and 8-bit."""
     from dlite_trt.runtime.engine import open_engine
     from dlite_trt.runtime.session import SamplingParams
 

@@ -19,7 +19,7 @@ What is quantized and what stays float (``dlite-trt build --dtype int4``):
   32 weights, w = d * q, q int8): a GGUF's own head blocks when the file stores it as Q8_0
   (SmolLM2's tied token_embd), else round-to-nearest Q8_0 by gguf's quantizer for a target that
   is no GGUF; a GGUF head of another type then stays float.
-- 8-bit (Q8_0, the default) or 4-bit (Q4_1), at accuracy level 4 only (``with_draft``,
+- 8-bit (Q8_0, the default) or 4-bit (Q4_0 or Q4_1), at accuracy level 4 only (``with_draft``,
   ``--draft-weights``; in fp32 engines too, ``draft_only``): the draft's matrices that run as a product of activations and a weight,
   round-to-nearest: every ``nn.Linear`` of its layers and its head's vocabulary-sized output
   projection (``draft_projections``). They sit outside ``/target/``; the head's products are inside
@@ -496,20 +496,22 @@ def draft_only() -> Int4Plan:
 
 
 def with_draft(plan: Int4Plan, draft, scheme: str) -> Int4Plan:
-    """``plan`` plus the draft's matrices (``draft_projections``) round-to-nearest in ``scheme`` (Q8_0 or
-    Q4_1); "float": ``plan`` as it is. A matrix whose input dim is no multiple of 32 stays float."""
+    """``plan`` plus the draft's matrices (``draft_projections``) round-to-nearest in ``scheme`` (Q8_0,
+    Q4_0 or Q4_1); "float": ``plan`` as it is. A matrix whose input dim is no multiple of 32 stays float."""
     if scheme not in DRAFT_FORMATS:
         raise ConfigError(f"the draft of an int4 engine is stored as one of {DRAFT_FORMATS}, not {scheme!r}")
     if scheme == "float":
         return plan
-    quantize = quantize_q8_rtn if scheme == HEAD_SCHEME else quantize_rtn
     weights = draft_projections(draft)
     keys: dict[str, str] = {}
     for name, w in weights.items():  # equal matrices (an untrained draft's) are one entry: the graph folds them too
         keys.setdefault(_weight_key(w.T), name)
     keys = {k: n for k, n in keys.items() if k not in plan.keys}
-    return replace(plan, draft={name: quantize(name, weights[name]) for name in keys.values()},
-                   keys=plan.keys | keys)
+    def quantize(name: str) -> Q4Blocks | Q8Blocks:
+        return quantize_q8_rtn(name, weights[name]) if scheme == HEAD_SCHEME else \
+            quantize_rtn(name, weights[name], scheme)
+
+    return replace(plan, draft={name: quantize(name) for name in keys.values()}, keys=plan.keys | keys)
 
 
 # --------------------------------------------------------------------------------------------- ONNX inputs

@@ -7,7 +7,9 @@ HEAD_WEIGHTS = (HEAD_SCHEME, HEAD_Q4)  # --head-weights of an int4 engine at acc
 # 4-bit by default: every call ~8% cheaper on SmolLM2 (2 cores), the argmax agreeing with the fp32 model at 69%
 # of positions against 73% for Q8_0 (onnxruntime-genai's int4 model: 69%; docs/engine.md, the LM head)
 DEFAULT_HEAD = HEAD_Q4
-DRAFT_FORMATS = ("float", HEAD_SCHEME, "Q4_1")  # how an engine stores the draft's matrices (not float: at level 4)
+# how an engine stores the draft's matrices (not float: at level 4); Q4_0 symmetric (no minima: one product a
+# matrix, as the 4-bit head), Q4_1 with a float minimum per block (an extra product and sum a matrix)
+DRAFT_FORMATS = ("float", HEAD_SCHEME, HEAD_Q4, "Q4_1")
 INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block
 FP32_COMPUTE = 0  # MatMulNBits accuracy_level: fp32 compute on the dequantized weights
 ACCURACY_LEVELS = (INT8_ACTIVATIONS, FP32_COMPUTE)
