@@ -94,9 +94,9 @@ from dlite_trt.export.nbits_levels import (  # noqa: F401 (re-exported: the buil
     BLOCK_FORMS,
     DEFAULT_ACCURACY_LEVEL,
     DEFAULT_BLOCKS,
+    DEFAULT_HEAD,
     DRAFT_FORMATS,
     FP32_COMPUTE,
-    DEFAULT_HEAD,
     HEAD_Q4,
     HEAD_SCHEME,
     HEAD_WEIGHTS,
@@ -289,6 +289,11 @@ def quantize_q8_rtn(name: str, weight: np.ndarray) -> Q8Blocks:
     return q8_blocks_from_ggml(name, raw, weight.shape)
 
 
+def quantize_as(name: str, weight: np.ndarray, scheme: str) -> Q4Blocks | Q8Blocks:
+    """Round-to-nearest in ``scheme``: Q8_0 (``quantize_q8_rtn``), Q4_0 or Q4_1 (``quantize_rtn``)."""
+    return quantize_q8_rtn(name, weight) if scheme == HEAD_SCHEME else quantize_rtn(name, weight, scheme)
+
+
 # --------------------------------------------------------------------------------------------- the plan
 
 
@@ -464,10 +469,7 @@ def plan_int4(target, spec, target_dir: Path | None, accuracy_level: int = DEFAU
         keys[_weight_key(head_weight.T)] = HEAD_NAME
     gguf_file = gguf_origin(target_dir) if target_dir is not None else None
     rounded = head_weight is not None and (head_format == HEAD_Q4 or gguf_file is None)
-    head = None
-    if rounded:
-        head = quantize_rtn(HEAD_NAME, head_weight, HEAD_Q4) if head_format == HEAD_Q4 else \
-            quantize_q8_rtn(HEAD_NAME, head_weight)
+    head = quantize_as(HEAD_NAME, head_weight, head_format) if rounded else None
     if gguf_file is None:
         quantize = fit_zero_point if blocks == "native" else quantize_rtn
         return Int4Plan(RTN, {n: quantize(n, w) for n, w in weights.items()}, keys,
@@ -507,11 +509,8 @@ def with_draft(plan: Int4Plan, draft, scheme: str) -> Int4Plan:
     for name, w in weights.items():  # equal matrices (an untrained draft's) are one entry: the graph folds them too
         keys.setdefault(_weight_key(w.T), name)
     keys = {k: n for k, n in keys.items() if k not in plan.keys}
-    def quantize(name: str) -> Q4Blocks | Q8Blocks:
-        return quantize_q8_rtn(name, weights[name]) if scheme == HEAD_SCHEME else \
-            quantize_rtn(name, weights[name], scheme)
-
-    return replace(plan, draft={name: quantize(name) for name in keys.values()}, keys=plan.keys | keys)
+    return replace(plan, draft={name: quantize_as(name, weights[name], scheme) for name in keys.values()},
+                   keys=plan.keys | keys)
 
 
 # --------------------------------------------------------------------------------------------- ONNX inputs
