@@ -58,7 +58,7 @@ from dlite_trt.export.int4 import (
     reference_matmul,
     with_draft,
 )
-from dlite_trt.export.nbits_levels import default_draft_format
+from dlite_trt.export.nbits_levels import default_draft_format, default_prefill_weights
 from dlite_trt.gguf_header import checked_header, read_raw_tensors
 
 LIMITS = {"max_batch": 2, "max_seq_len": 128, "max_chunk": 8}
@@ -477,10 +477,12 @@ def test_the_demo_ggufs_first_q4_1_tensor_reads_exactly(smollm2_gguf: Path) -> N
 # --------------------------------------------------------------------------------------------- an engine
 
 
-def _bundled_engine(tmp_path_factory, level: int, draft_format: str | None = None, head: str | None = None):
+def _bundled_engine(tmp_path_factory, level: int, draft_format: str | None = None, head: str | None = None,
+                   prefill: str | None = None):
     """The bundled tiny pair (not a GGUF: round-to-nearest Q4_1, and at level 4 a round-to-nearest
     head, Q8_0 or ``head``; its head is untied) as an int4 engine at accuracy ``level`` (the draft:
-    ``draft_format``, else the level's default), and its plan."""
+    ``draft_format``, else the level's default; the prefill's products: ``prefill``, else the level's
+    default), and its plan."""
     from dlite_trt.bundled import bundled_pair
     from dlite_trt.engine.build import BuildSettings, build_engine
     from dlite_trt.export.contract import EngineLimits
@@ -489,10 +491,11 @@ def _bundled_engine(tmp_path_factory, level: int, draft_format: str | None = Non
     target, draft = bundled_pair()
     out = tmp_path_factory.mktemp(f"int4-l{level}") / "engine"
     settings = BuildSettings(weights="int4", int4_accuracy_level=level, draft_weights=draft_format,
-                             head_weights=head, limits=EngineLimits(**LIMITS))
+                             head_weights=head, prefill_weights=prefill, limits=EngineLimits(**LIMITS))
     manifest = build_engine(target, draft, out, settings, progress=False)
     pair = load_pair(target, draft)
     plan = plan_int4(pair.generator.target, pair.source.spec, pair.source.path, level, head_format=head or "Q4_0")
+    plan = replace(plan, prefill=prefill or default_prefill_weights(level))
     return out, manifest, pair, with_draft(plan, pair.generator.draft, draft_format or default_draft_format("int4", level, True))
 
 
@@ -519,20 +522,24 @@ def bundled_int4_q4_0_draft(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundled_int4_q8_head(tmp_path_factory):
-    return _bundled_engine(tmp_path_factory, INT8_ACTIVATIONS, head="Q8_0")
+    """The head 8-bit, and the prefill's products 4-bit like every other graph's (--prefill-weights int4)."""
+    return _bundled_engine(tmp_path_factory, INT8_ACTIVATIONS, head="Q8_0", prefill="int4")
 
 
-@pytest.mark.parametrize(("engine", "level", "head", "draft"), [("bundled_int4", 4, "Q4_0", "Q8_0"),
-                                                                ("bundled_int4_q8_head", 4, "Q8_0", "Q8_0"),
-                                                                ("bundled_int4_q4_0_draft", 4, "Q4_0", "Q4_0"),
-                                                                ("bundled_int4_l0", 0, "float", "float")])
-def test_int4_manifest_records_the_weight_format(engine: str, level: int, head: str, draft: str, request) -> None:
+@pytest.mark.parametrize(("engine", "level", "head", "draft", "prefill"),
+                         [("bundled_int4", 4, "Q4_0", "Q8_0", "int8"),
+                          ("bundled_int4_q8_head", 4, "Q8_0", "Q8_0", "int4"),
+                          ("bundled_int4_q4_0_draft", 4, "Q4_0", "Q4_0", "int8"),
+                          ("bundled_int4_l0", 0, "float", "float", "int4")])
+def test_int4_manifest_records_the_weight_format(engine: str, level: int, head: str, draft: str, prefill: str,
+                                                 request) -> None:
     from dlite_trt.engine.manifest import Manifest
 
     out, manifest, pair, plan = request.getfixturevalue(engine)
     cfg = pair.generator.draft.cfg
     draft_matrices = (7 * cfg.num_hidden_layers + 1) if draft != "float" else 0  # the layers' and output_proj
-    want = WeightFormat("int4", (ZP_SCHEME,), RTN, len(plan.matrices), None, level, head, draft, draft_matrices)
+    want = WeightFormat("int4", (ZP_SCHEME,), RTN, len(plan.matrices), None, level, head, draft, draft_matrices,
+                        prefill)
     assert manifest.weights == want == load_manifest(out).weights and manifest.dtype == "fp32"
     assert plan.head_format == head and len(plan.matrices) == 7 * pair.source.spec.num_hidden_layers
     assert plan.draft_format == draft and len(plan.draft) == draft_matrices
@@ -540,6 +547,10 @@ def test_int4_manifest_records_the_weight_format(engine: str, level: int, head: 
     assert text.startswith("int4 weights (Q4_ZP quantized round-to-nearest at build, 28 target matrices; LM head ")
     assert f"(accuracy level {level}" in text and (f"LM head {head}" if level == 4 else "LM head fp32") in text
     assert (f"draft {draft} ({draft_matrices} matrices)" if draft != "float" else "draft fp32") in text
+    assert ("the prefill's products int8 x int8" in text) == (prefill == "int8")
+    # a record from before the prefill could run int8 reads as an int4 prefill
+    old = {k: v for k, v in manifest.weights.to_dict().items() if k != "prefill"}
+    assert WeightFormat.from_dict(old).prefill == "int4"
     # a record from before the draft could be quantized reads as a float draft
     old = {k: v for k, v in manifest.weights.to_dict().items() if not k.startswith("draft")}
     assert WeightFormat.from_dict(old).draft == "float"

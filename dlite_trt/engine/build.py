@@ -40,7 +40,7 @@ from dlite_trt.engine.manifest import (
 from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
 from dlite_trt.export.cache_attention import GQA_HEAD_DIM_MULTIPLE, GQA_UNAVAILABLE, onnxruntime_takes_query_seqlens
-from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, EngineLimits, engine_contract
+from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, SAMPLING_SUFFIX, EngineLimits, engine_contract
 from dlite_trt.export.int4 import ACCURACY_LEVELS, DRAFT_FORMATS, draft_only, plan_int4, quantize_graph, with_draft
 from dlite_trt.export.nbits_levels import (
     BLOCK_FORMS,
@@ -49,8 +49,10 @@ from dlite_trt.export.nbits_levels import (
     FP32_COMPUTE,
     HEAD_WEIGHTS,
     INT8_ACTIVATIONS,
+    PREFILL_WEIGHTS,
     default_accuracy_level,
     default_draft_format,
+    default_prefill_weights,
 )
 
 BACKENDS = tuple(BACKEND_DTYPES)
@@ -70,6 +72,8 @@ class BuildSettings:
     int4_blocks: str = DEFAULT_BLOCKS
     # int4 at accuracy level 4: the LM head's blocks, one of HEAD_WEIGHTS; None: DEFAULT_HEAD
     head_weights: str | None = None
+    # int4: the prefill's products of the target's matrices, one of PREFILL_WEIGHTS; None: default_prefill_weights()
+    prefill_weights: str | None = None
     # how the target attends over the KV cache (export/contract.py ATTENTIONS); None: default_attention(),
     # chosen at build time (it depends on the target's head_dim)
     attention: str | None = None
@@ -108,6 +112,13 @@ class BuildSettings:
         if self.head_weights is not None and (self.weights != "int4" or self.int4_accuracy_level == FP32_COMPUTE):
             raise ConfigError(f"--head-weights {self.head_weights}: the LM head is quantized in int4 engines at "
                               f"accuracy level {INT8_ACTIVATIONS} only (elsewhere it stays in the engine's dtype)")
+        if self.prefill_weights is not None and self.prefill_weights not in PREFILL_WEIGHTS:
+            raise ConfigError(f"the prefill's weights are one of {PREFILL_WEIGHTS}, not {self.prefill_weights!r}")
+        if self.prefill_weights is not None and (self.weights != "int4" or (
+                self.prefill_weights == "int8" and self.int4_accuracy_level == FP32_COMPUTE)):
+            raise ConfigError(f"--prefill-weights {self.prefill_weights}: the prefill's products are chosen in int4 "
+                              f"engines (int8 at accuracy level {INT8_ACTIVATIONS} only); elsewhere they run in the "
+                              "engine's dtype")
         if self.draft_weights is not None and self.draft_weights not in DRAFT_FORMATS:
             raise ConfigError(f"the draft's weights are one of {DRAFT_FORMATS}, not {self.draft_weights!r}")
         if self.draft_weights not in (None, "float") and (self.backend, self.dtype) not in QUANTIZED_DRAFT_BUILDS:
@@ -142,7 +153,9 @@ def resolve(settings: BuildSettings, head_dim: int) -> BuildSettings:
     level = default_accuracy_level(attention) if settings.int4_accuracy_level is None else settings.int4_accuracy_level
     quantizable = (settings.backend, settings.dtype) in QUANTIZED_DRAFT_BUILDS
     draft = settings.draft_weights or default_draft_format(settings.weights, level, quantizable)
-    return replace(settings, attention=attention, int4_accuracy_level=level, draft_weights=draft)  # checked again
+    prefill = settings.prefill_weights or (default_prefill_weights(level) if settings.weights == "int4" else None)
+    return replace(settings, attention=attention, int4_accuracy_level=level, draft_weights=draft,
+                   prefill_weights=prefill)  # checked again
 
 
 def package_versions() -> dict[str, str]:
@@ -251,8 +264,10 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
             plan = with_draft(plan_int4(pair.generator.target, spec, pair.source.path, settings.int4_accuracy_level,
                                         settings.int4_blocks, settings.head_weights or DEFAULT_HEAD),
                               pair.generator.draft, settings.draft_weights)
+            plan = replace(plan, prefill=settings.prefill_weights)
             weights = WeightFormat("int4", plan.schemes, plan.origin, len(plan.matrices), plan.gguf_sha256,
-                                   plan.accuracy_level, plan.head_format, plan.draft_format, len(plan.draft))
+                                   plan.accuracy_level, plan.head_format, plan.draft_format, len(plan.draft),
+                                   plan.prefill)
         elif settings.draft_weights != "float":
             plan = with_draft(draft_only(), pair.generator.draft, settings.draft_weights)
             weights = WeightFormat(draft=plan.draft_format, draft_matrices=len(plan.draft))
@@ -264,7 +279,7 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
                 export_graph(contract[name], pair.generator.target, pair.generator.draft, tmp / onnx_rel,
                              lowering=settings.backend)
                 if plan is not None:
-                    quantize_graph(tmp / onnx_rel, plan)
+                    quantize_graph(tmp / onnx_rel, plan, prefill=name.removesuffix(SAMPLING_SUFFIX) == "prefill")
                 if settings.backend == "tensorrt":
                     from dlite_trt.engine.tensorrt_build import build_plan
 

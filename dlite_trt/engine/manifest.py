@@ -27,6 +27,7 @@ from dlite_trt.export.nbits_levels import (
     FP32_COMPUTE,
     HEAD_WEIGHTS,
     INT8_ACTIVATIONS,
+    PREFILL_WEIGHTS,
     ZP_SCHEME,
 )
 from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TargetSource
@@ -79,6 +80,7 @@ class WeightFormat:
     head: str = "float"  # int4: the LM head's format (HEAD_FORMATS)
     draft: str = "float"  # int4: the draft's format (DRAFT_FORMATS)
     draft_matrices: int = 0  # int4: draft matrices stored in ``draft`` blocks
+    prefill: str = "int4"  # int4: how the prefill graphs multiply by the target's matrices (PREFILL_WEIGHTS)
 
     def __post_init__(self) -> None:
         if self.format not in WEIGHT_FORMATS:
@@ -102,6 +104,10 @@ class WeightFormat:
             raise EngineError(f"draft format must be one of {DRAFT_FORMATS} (with its matrix count; in an int4 engine "
                               f"quantized only at accuracy level {INT8_ACTIVATIONS}); got {self.draft!r}, "
                               f"{self.draft_matrices} matrices at level {self.accuracy_level!r}")
+        if self.prefill not in PREFILL_WEIGHTS or (self.prefill == "int8" and not (
+                quantized and self.accuracy_level == INT8_ACTIVATIONS)):
+            raise EngineError(f"prefill weights must be one of {PREFILL_WEIGHTS}, int8 only in an int4 engine at "
+                              f"accuracy level {INT8_ACTIVATIONS}; got {self.prefill!r} at level {self.accuracy_level!r}")
 
     def describe(self, dtype: str) -> str:
         """``fp32`` / ``int4 weights (Q4_1 from the GGUF, exact, 210 target matrices; LM head Q8_0),
@@ -112,14 +118,15 @@ class WeightFormat:
         refit = "re-fitted from the GGUF's blocks" if ZP_SCHEME in self.schemes else "from the GGUF, exact"
         origin = refit if self.origin == "gguf" else "quantized round-to-nearest at build"
         head = f"LM head {self.head}" if self.head != "float" else f"LM head {dtype}"
+        prefill = "; the prefill's products int8 x int8" if self.prefill == "int8" else ""
         return (f"{self.format} weights ({'/'.join(self.schemes)} {origin}, {self.matrices} target matrices; {head}; "
-                f"{draft}), {ACCURACY_MEANING[self.accuracy_level]}, {dtype} elsewhere")
+                f"{draft}), {ACCURACY_MEANING[self.accuracy_level]}{prefill}, {dtype} elsewhere")
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": self.format, "schemes": list(self.schemes), "origin": self.origin,
                 "matrices": self.matrices, "gguf_sha256": self.gguf_sha256,
                 "accuracy_level": self.accuracy_level, "head": self.head, "draft": self.draft,
-                "draft_matrices": self.draft_matrices}
+                "draft_matrices": self.draft_matrices, "prefill": self.prefill}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "manifest") -> WeightFormat:
@@ -130,7 +137,8 @@ class WeightFormat:
         return cls(format=data["format"], schemes=tuple(data["schemes"]), origin=data["origin"],
                    matrices=data["matrices"], gguf_sha256=data["gguf_sha256"],
                    accuracy_level=data.get("accuracy_level"), head=data.get("head", "float"),
-                   draft=data.get("draft", "float"), draft_matrices=data.get("draft_matrices", 0))
+                   draft=data.get("draft", "float"), draft_matrices=data.get("draft_matrices", 0),
+                   prefill=data.get("prefill", "int4"))  # recorded since the prefill could run int8
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -184,6 +192,12 @@ class Manifest:
     attention: str = "ops"  # export/contract.py ATTENTIONS; "gqa": ONNX Runtime engines only
     dlite_trt_version: str = __version__
     format_version: int = FORMAT_VERSION
+
+    @property
+    def prefill_differs(self) -> bool:
+        """Whether the prefill graphs multiply by the target's matrices otherwise than the decode graphs (an
+        int8 prefill): then every prompt goes through a prefill graph, whatever decodes it."""
+        return self.weights.prefill == "int8"
 
     @property
     def block_size(self) -> int:

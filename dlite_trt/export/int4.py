@@ -19,6 +19,10 @@ What is quantized and what stays float (``dlite-trt build --dtype int4``):
   32 weights, w = d * q, q int8): a GGUF's own head blocks when the file stores it as Q8_0
   (SmolLM2's tied token_embd), else round-to-nearest Q8_0 by gguf's quantizer for a target that
   is no GGUF; a GGUF head of another type then stays float.
+- int8, in the prefill graphs only (``Int4Plan.prefill`` "int8", the default at accuracy level 4;
+  ``export/int8_rows.py``): each target matrix as int8 columns of its dequantized blocks, the prompt's
+  rows quantized to int8 one by one, on MLAS's integer GEMM, where MatMulNBits is slow at hundreds of
+  rows; the decode and step graphs keep the 4-bit products.
 - 8-bit (Q8_0, the default) or 4-bit (Q4_0 or Q4_1), at accuracy level 4 only (``with_draft``,
   ``--draft-weights``; in fp32 engines too, ``draft_only``): the draft's matrices that run as a product of activations and a weight,
   round-to-nearest: every ``nn.Linear`` of its layers and its head's vocabulary-sized output
@@ -101,8 +105,10 @@ from dlite_trt.export.nbits_levels import (  # noqa: F401 (re-exported: the buil
     HEAD_SCHEME,
     HEAD_WEIGHTS,
     INT8_ACTIVATIONS,
+    PREFILL_WEIGHTS,
     ZP_SCHEME,
 )
+from dlite_trt.export.int8_rows import Int8Columns, product_nodes, row_quantize_nodes
 
 BLOCK = 32  # weights per block along K, every ggml 4-bit type and Q8_0
 SCHEMES = ("Q4_1", "Q4_0")  # ggml types kept as they are
@@ -311,10 +317,18 @@ class Int4Plan:
     # the draft's matrices (``draft.``-prefixed parameter names; accuracy level 4 only), found in the graphs
     # that run the draft; their sha256 keys are in ``keys`` too
     draft: dict[str, Q4Blocks | Q8Blocks] = field(default_factory=dict)
+    # how the prefill graphs multiply by the target's matrices (PREFILL_WEIGHTS): "int8", int8 columns of the
+    # dequantized blocks on MLAS's integer GEMM (export/int8_rows.py; level 4 only); "int4", as every other graph
+    prefill: str = "int4"
 
     def __post_init__(self) -> None:
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise ConfigError(f"the int4 accuracy level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level!r}")
+        if self.prefill not in PREFILL_WEIGHTS:
+            raise ConfigError(f"the prefill's weights are one of {PREFILL_WEIGHTS}, not {self.prefill!r}")
+        if self.prefill == "int8" and self.accuracy_level != INT8_ACTIVATIONS:
+            raise ConfigError(f"an int8 prefill runs at accuracy level {INT8_ACTIVATIONS} only (level "
+                              f"{self.accuracy_level} is fp32 arithmetic on the 4-bit weights in every graph)")
         if self.head is not None and self.accuracy_level != INT8_ACTIVATIONS:
             raise ConfigError(f"a {self.head.scheme} LM head runs at accuracy level {INT8_ACTIVATIONS} only (at level "
                               f"{self.accuracy_level} MatMulNBits bits=8 is ~20x slower than a float MatMul, and "
@@ -608,8 +622,8 @@ def _product_nodes(x: str, products: list[tuple[str, str, str]], tensors: dict[s
     MatMulNBits (with its minima's product and sum for Q4_1) over their matrices stacked along N,
     split into each product's output. Fused initializers are named after their parameters joined by
     "+" (the same bytes in every graph that has the group, so stored once)."""
-    names = [name for name, _, _ in products]
-    name, scope = "+".join(names), products[0][1] + ("/fused" if len(products) > 1 else "")
+    names, scope, y, outputs = _group(products)
+    name = "+".join(names)
     t = tensors[names[0]] if len(names) == 1 else _concatenated(names, tensors)
     n, kb = t.qweight.shape[:2]
     eight = t.qweight.shape[-1] == BLOCK
@@ -619,8 +633,6 @@ def _product_nodes(x: str, products: list[tuple[str, str, str]], tensors: dict[s
     if t.zero_points is not None:
         inputs.append(f"{name}.zero_points")
         added[inputs[3]] = numpy_helper.from_array(t.zero_points, inputs[3])
-    outputs = [y for _, _, y in products]
-    y = outputs[0] if len(outputs) == 1 else f"{scope}/output_0"
     out = y if t.mins is None else f"{scope}/MatMulNBits_output_0"
     nodes = [helper.make_node("MatMulNBits", inputs, [out], name=f"{scope}/MatMulNBits", domain=CONTRIB_DOMAIN,
                               K=kb * BLOCK, N=n, bits=8 if eight else 4, block_size=BLOCK, accuracy_level=level)]
@@ -634,18 +646,51 @@ def _product_nodes(x: str, products: list[tuple[str, str, str]], tensors: dict[s
         nodes.append(helper.make_node("MatMul", [block_sums[x], f"{name}.mins"], [f"{scope}/mins_output_0"],
                                       name=f"{scope}/mins"))
         nodes.append(helper.make_node("Add", [out, f"{scope}/mins_output_0"], [y], name=f"{scope}/add_mins"))
-    if len(outputs) > 1:
-        sizes = f"{scope}/split_sizes"
-        added[sizes] = numpy_helper.from_array(np.array([tensors[n].qweight.shape[0] for n in names], np.int64), sizes)
-        nodes.append(helper.make_node("Split", [y, sizes], outputs, name=f"{scope}/split", axis=-1))
-    return nodes
+    return nodes + _split(y, outputs, [tensors[n].qweight.shape[0] for n in names], scope, added)
 
 
-def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draft: bool = False) -> int:
+def _group(products: list[tuple[str, str, str]]) -> tuple[list[str], str, str, list[str]]:
+    """A group of products (parameter name, scope, output) of one activation: their names, the scope of their
+    stacked product, its output (the one product's own when alone) and the products' outputs."""
+    names, outputs = [name for name, _, _ in products], [y for _, _, y in products]
+    scope = products[0][1] + ("/fused" if len(products) > 1 else "")
+    return names, scope, (outputs[0] if len(outputs) == 1 else f"{scope}/output_0"), outputs
+
+
+def _split(y: str, outputs: list[str], sizes: list[int], scope: str,
+           added: dict[str, onnx.TensorProto]) -> list[onnx.NodeProto]:
+    """A stacked product's columns back into each product's output (nothing for a product alone)."""
+    if len(outputs) == 1:
+        return []
+    name = f"{scope}/split_sizes"
+    added[name] = numpy_helper.from_array(np.array(sizes, np.int64), name)
+    return [helper.make_node("Split", [y, name], outputs, name=f"{scope}/split", axis=-1)]
+
+
+def _int8_product_nodes(x: str, products: list[tuple[str, str, str]], plan: Int4Plan, added: dict[str, onnx.TensorProto],
+                        rows: dict[str, tuple[str, str]], opset: int) -> list[onnx.NodeProto]:
+    """``products`` of activation ``x`` as int8 rows times int8 columns of their dequantized blocks, stacked
+    along N as ``_product_nodes`` stacks them; ``x`` is quantized once (``rows``: activation -> its codes and
+    row scales) in nodes of the model's standard-op ``opset``."""
+    names, scope, y, outputs = _group(products)
+    nodes = []
+    if x not in rows:
+        quantize, codes, scales = row_quantize_nodes(x, scope, added, opset)
+        nodes += quantize
+        rows[x] = (codes, scales)
+    columns = Int8Columns.stacked([Int8Columns.of(plan.blocks(n).dequantize()) for n in names])
+    nodes += product_nodes(*rows[x], "+".join(names), scope, columns, y, added)
+    return nodes + _split(y, outputs, [plan.blocks(n).shape[0] for n in names], scope, added)
+
+
+def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draft: bool = False,
+                   prefill: bool = False) -> int:
     """Replace every target projection MatMul of ``model`` (weights loaded) by its int4 form, the LM
     head's by its 8-bit form where the plan has one, and with ``runs_draft`` the draft's by the plan's
-    draft blocks, in place; returns how many MatMuls. Raises EngineError unless every matrix wanted
-    was found. The draft's head is inside the recurrence's function: ``quantize_graph`` inlines it first."""
+    draft blocks, in place; returns how many MatMuls. ``prefill``: the model is a prefill graph, whose
+    target projections run in int8 where the plan says so (``Int4Plan.prefill``). Raises EngineError unless
+    every matrix wanted was found. The draft's head is inside the recurrence's function: ``quantize_graph``
+    inlines it first."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
@@ -653,6 +698,9 @@ def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draf
     shapes = {plan.blocks(name).shape for name in wanted}
     added: dict[str, onnx.TensorProto] = {}
     block_sums: dict[str, str] = {}  # activation -> its BlockSum output
+    rows: dict[str, tuple[str, str]] = {}  # activation -> its int8 rows (codes, scales)
+    int8 = set(plan.matrices) if prefill and plan.prefill == "int8" else set()
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     found: dict[str, int] = {}
     scopes: set[str] = set()
     matches: dict[int, tuple[str, str]] = {}  # node index -> (parameter name, scope)
@@ -672,7 +720,7 @@ def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draf
     groups: dict[tuple, list[int]] = {}  # the products of one activation in one form run as one node
     for i, (name, _) in matches.items():
         t = tensors[name]
-        form = (graph.node[i].input[0], t.qweight.shape[1:], t.zero_points is None, t.mins is None)
+        form = (graph.node[i].input[0], t.qweight.shape[1:], t.zero_points is None, t.mins is None, name in int8)
         groups.setdefault(form, []).append(i)
     group_of = {i: members for members in groups.values() for i in members}
     nodes = []
@@ -681,7 +729,10 @@ def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draf
             nodes.append(node)
         elif group_of[i][0] == i:  # the group's products at its first member's place (their input exists there)
             products = [(matches[j][0], matches[j][1], graph.node[j].output[0]) for j in group_of[i]]
-            nodes.extend(_product_nodes(node.input[0], products, tensors, plan.accuracy_level, added, block_sums))
+            if matches[i][0] in int8:
+                nodes.extend(_int8_product_nodes(node.input[0], products, plan, added, rows, opset))
+            else:
+                nodes.extend(_product_nodes(node.input[0], products, tensors, plan.accuracy_level, added, block_sums))
     missing = sorted(wanted - set(found))
     if missing:
         raise EngineError(f"{where}: {len(missing)} of the {len(wanted)} quantized matrices were not found as a "
@@ -701,8 +752,9 @@ def quantize_model(model: onnx.ModelProto, plan: Int4Plan, where: str, runs_draf
     return sum(found.values())
 
 
-def quantize_graph(path: Path, plan: Int4Plan) -> int:
-    """Rewrite an exported graph file (``path`` + its external ``path.data``) in place."""
+def quantize_graph(path: Path, plan: Int4Plan, prefill: bool = False) -> int:
+    """Rewrite an exported graph file (``path`` + its external ``path.data``) in place (``prefill``: it is a
+    prefill graph, ``quantize_model``)."""
     from dlite_trt.export.recurrence import recurrence_nodes
 
     path = Path(path)
@@ -712,7 +764,7 @@ def quantize_graph(path: Path, plan: Int4Plan) -> int:
         return 0
     if runs_draft:  # the head's products are in the recurrence's body: inline it (ONNX Runtime would anyway)
         model = onnx.inliner.inline_local_functions(model)
-    count = quantize_model(model, plan, str(path), runs_draft)
+    count = quantize_model(model, plan, str(path), runs_draft, prefill)
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,

@@ -20,6 +20,10 @@ DEFAULT_ACCURACY_LEVEL = INT8_ACTIVATIONS  # the fastest; lossless with attentio
 BLOCK_FORMS = ("native", "ggml")
 ZP_SCHEME = "Q4_ZP"  # MatMulNBits' own asymmetric form: fp32 scale s and 4-bit zero point z per block, w = s * (q - z)
 DEFAULT_BLOCKS = "native"
+# the prefill's products of the target's matrices (export/int8_rows.py): "int8", int8 codes per column x int8
+# rows on MLAS's integer GEMM (AMX/VNNI; a 2,048-token prefill 1.8x faster on a Xeon with AMX), at accuracy level
+# 4 only; "int4", MatMulNBits on the 4-bit blocks as in every other graph
+PREFILL_WEIGHTS = ("int8", "int4")
 
 
 def default_accuracy_level(attention: str) -> int:
@@ -28,6 +32,13 @@ def default_accuracy_level(attention: str) -> int:
     attention "ops" a verify and a decode call sum a position's attention in another order, which
     level 4's int8 rounding of the activations magnifies (docs/engine.md), so level 0 there."""
     return DEFAULT_ACCURACY_LEVEL if attention == "gqa" else FP32_COMPUTE
+
+
+def default_prefill_weights(accuracy_level: int) -> str:
+    """int8 at accuracy level 4 (the prefill's rows on MLAS's integer GEMM, the decode and verify calls
+    unchanged, so speculative output stays the engine's target-only greedy); at level 0, whose point is fp32
+    arithmetic on the 4-bit weights, the prefill's products as every other graph's."""
+    return "int8" if accuracy_level == INT8_ACTIVATIONS else "int4"
 
 
 def default_draft_format(weights: str, accuracy_level: int | None, quantizable: bool) -> str:

@@ -350,8 +350,23 @@ class EngineSession(SessionBase):
         return super()._verify_proposals(proposals, params, uniforms)
 
     def _target_first(self, params: SamplingParams, uniforms) -> list[int]:
-        graph, feeds = decode_inputs(self._temperature(params), lambda: _host(uniforms, self.batch_size, 1))
-        return self._prefill(graph, feeds)["next_tokens"][:, 0].tolist()
+        return self.prefill_target(self._temperature(params), lambda: _host(uniforms, self.batch_size, 1))
+
+    def prefill_target(self, temperature: np.ndarray, uniforms: Callable[[], np.ndarray]) -> list[int]:
+        """The target over the uncached suffixes, without the draft's block: the next token per row,
+        sampled with ``uniforms()`` [B, 1] where a row's temperature is above 0. On the decode graph, or on
+        the prefill graph (its drafted block unused) where that graph computes the prompt otherwise
+        (``Manifest.prefill_differs``: an int8 prefill), so that a prompt's KV entries and first token
+        are the same whatever decodes it (target-only, n-gram lookup, DLite)."""
+        graph, feeds = decode_inputs(temperature, uniforms)
+        if not self.gen.manifest.prefill_differs:
+            return self._prefill(graph, feeds)["next_tokens"][:, 0].tolist()
+        sampling = graph != "decode"
+        prefill = {"group_prefix": self._group_prefix()} if self.g > 1 else {}
+        if sampling:  # the anchor is sampled as the decode graph samples, from the same uniform
+            prefill |= {"temperature": feeds["temperature"], "u_anchor": feeds["uniforms"][:, 0],
+                        "u_draft": np.zeros((self.batch_size, self.gen.cfg.num_proposals), np.float32)}
+        return self._prefill("prefill" + SAMPLING_SUFFIX * sampling, prefill)["next_block"][:, 0].tolist()
 
     def _target_next(self, tokens: list[int], pos: list[int], params: SamplingParams, uniforms) -> list[int]:
         return [row[0] for row in self._decode([[t] for t in tokens], pos, [int(a) for a in self._active],

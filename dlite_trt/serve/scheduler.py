@@ -522,13 +522,11 @@ class _DecodeCalls:
                 row.draw(("uniforms", (1, 1)))
         session = EngineSession(self.sched.generator, [r.tokens for r in rows], cache=view)
         session.cache_len = [r.cache_len for r in rows]
-        graph, feeds = decode_inputs(_temperatures(rows), lambda: _stacked(rows, ("uniforms",))["uniforms"])
-        out = session._prefill(graph, feeds)
-        out = _outputs(out)
+        tokens = session.prefill_target(_temperatures(rows), lambda: _stacked(rows, ("uniforms",))["uniforms"])
         results = []
         for i, row in enumerate(rows):
             state = {"ngram": NgramIndex(self.lookup)} if self.lookup else {}
-            results.append(_Result([int(out["next_tokens"][i, 0])], len(row.tokens), state))
+            results.append(_Result([int(tokens[i])], len(row.tokens), state))
             row.draws = {}
         return results
 
