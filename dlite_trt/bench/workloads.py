@@ -32,7 +32,9 @@ from typing import Any
 from dlite_trt.errors import DLiteError
 from dlite_trt.jsonl import json_lines
 
-LONG_CONTEXT_TOKENS = (2048, 8192)  # 8192 runs at the longest an engine allows below it
+# three prompts (tasks: the paired rounds), the fewest whose spread judges a goal (report.MIN_ROUNDS); 8192 runs at
+# the longest an engine allows below it
+LONG_CONTEXT_TOKENS = (2048, 3072, 8192)
 QUICK_LONG_CONTEXT_TOKENS = (2048,)
 LONG_CONTEXT_ANSWER_TOKENS = (32, 64)  # answer length range of a long-context task
 LONG_CONTEXT_MIN_TOKENS = 512  # a "long" prompt is at least this long
