@@ -92,7 +92,12 @@ import onnx.inliner
 from onnx import helper, numpy_helper
 
 from dlite_trt.errors import ConfigError, EngineError
-from dlite_trt.export.cache_attention import drop_unused_initializers, pack_query_key_value
+from dlite_trt.export.cache_attention import (
+    ORT_DOMAIN,
+    drop_unused_initializers,
+    pack_query_key_value,
+)
+from dlite_trt.export.int8_rows import Int8Columns, product_nodes, row_quantize_nodes
 from dlite_trt.export.nbits_levels import (  # noqa: F401 (re-exported: the build reads them here)
     ACCURACY_LEVELS,
     BLOCK_FORMS,
@@ -108,13 +113,12 @@ from dlite_trt.export.nbits_levels import (  # noqa: F401 (re-exported: the buil
     PREFILL_WEIGHTS,
     ZP_SCHEME,
 )
-from dlite_trt.export.int8_rows import Int8Columns, product_nodes, row_quantize_nodes
 
 BLOCK = 32  # weights per block along K, every ggml 4-bit type and Q8_0
 SCHEMES = ("Q4_1", "Q4_0")  # ggml types kept as they are
 Q4_SCHEMES = (*SCHEMES, ZP_SCHEME)
 HEAD_NAME = "lm_head.weight"  # the LM head's parameter (tied: the same tensor as model.embed_tokens.weight)
-CONTRIB_DOMAIN = "com.microsoft"
+CONTRIB_DOMAIN = ORT_DOMAIN  # ONNX Runtime's contrib ops (MatMulNBits, MatMulIntegerToFloat)
 TARGET_SCOPE = "/target/"  # node-name prefix of the target's ops in every engine graph
 RTN = "round-to-nearest"
 GGUF = "gguf"

@@ -30,9 +30,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from dlite_trt.export.cache_attention import ORT_DOMAIN
+
 QMAX = 127
 ZERO_POINT = 128  # the activations' uint8 zero point (symmetric int8 shifted into uint8, MLAS's U8S8 GEMM)
-CONTRIB_DOMAIN = "com.microsoft"
 CONSTANTS = "int8_rows."  # initializer prefix of the shared constants
 
 
@@ -106,5 +107,5 @@ def product_nodes(codes: str, row_scale: str, name: str, scope: str, columns: In
     added[ws] = numpy_helper.from_array(columns.scales, ws)
     c = CONSTANTS
     return [helper.make_node("MatMulIntegerToFloat", [codes, w, c + "one", ws, c + "zero_point"],
-                             [f"{scope}/MatMulInteger_output_0"], name=f"{scope}/MatMulInteger", domain=CONTRIB_DOMAIN),
+                             [f"{scope}/MatMulInteger_output_0"], name=f"{scope}/MatMulInteger", domain=ORT_DOMAIN),
             helper.make_node("Mul", [f"{scope}/MatMulInteger_output_0", row_scale], [y], name=f"{scope}/row_scale")]
