@@ -42,7 +42,7 @@ def _calls(gen, context: int):
     import numpy as np
 
     from dlite_trt.bench.context_cost import decode_feed
-    from dlite_trt.export.contract import dummy_inputs
+    from dlite_trt.export.contract import dummy_inputs, steady_step
     from dlite_trt.runtime.engine import min_call_tokens
 
     manifest, k_max = gen.manifest, gen.cfg.num_proposals
@@ -52,7 +52,7 @@ def _calls(gen, context: int):
     sizes = {"batch": 1, "cache": cache.capacity}
     named = {"decode": ("decode", decode_feed(manifest, sizes, min_call_tokens(manifest), context, rng))}
     for k in (1, k_max):
-        feed = dummy_inputs(manifest.contract["step"], sizes | {"verify": k + 1},
+        feed = dummy_inputs(manifest.contract["step"], sizes | steady_step(k),
                             vocab_size=manifest.target_spec.vocab_size, rng=rng)
         feed["past_len"][:] = context
         named[f"step k={k}"] = ("step", feed)

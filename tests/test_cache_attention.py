@@ -32,8 +32,8 @@ from dlite_trt.model.target import TargetAdapter
 VOCAB = 96
 LIMITS = EngineLimits(max_batch=4, max_seq_len=64, max_chunk=16)
 FLOAT_ATOL = 1e-4  # the fp32 tier of tests/test_engine_graphs.py
-SIZES = [{"batch": 3, "chunk": 5, "cache": 40, "outputs": 2, "verify": 4},
-         {"batch": 1, "chunk": 2, "cache": 20, "outputs": 1, "verify": 2}]
+SIZES = [{"batch": 3, "chunk": 5, "cache": 40, "outputs": 2, "verify": 4, "next": 3},
+         {"batch": 1, "chunk": 2, "cache": 20, "outputs": 1, "verify": 2, "next": 8}]
 
 
 class Pair:

@@ -7,6 +7,7 @@ import torch
 from helpers import draft_config, make_target, random_draft
 
 from dlite_trt.model.draft import DLiteDraft
+from dlite_trt.model.sequential_head import recurrence
 
 ATOL = 2e-5
 
@@ -92,6 +93,28 @@ def test_draft_block_matches_the_design(g, block):
             want_hidden, want_tokens = naive_block(draft, chs[b], groups[b], embed)
             torch.testing.assert_close(hidden[b], want_hidden, atol=ATOL, rtol=0)
             assert out.tokens[b].tolist() == want_tokens
+
+
+@pytest.mark.parametrize("drafts", [1, 3])
+def test_the_head_over_the_first_positions_drafts_the_first_tokens(drafts):
+    """The recurrence over draft_hidden's first D positions, written out for all K steps (as the
+    exported node's body is), makes the design's first D tokens; its steps past D make nothing."""
+    hf, spec = make_target(80, seed=3)
+    cfg = draft_config(spec, block_size=8, anchor_group_size=2, sequential_rank=24)
+    torch.manual_seed(5)
+    draft = random_draft(cfg)
+    with torch.no_grad():
+        draft.sequential_head.output_proj.weight.mul_(50)
+    embed = hf.model.embed_tokens.weight.detach()
+    chs = torch.randn(3, cfg.chs_num_layers, cfg.hidden_size)
+    groups = torch.randint(0, 80, (3, 2))
+    with torch.no_grad():
+        hidden = draft.backbone(chs, groups, torch.full((3,), 2), embed)
+        out = recurrence(draft.sequential_head.weights(), hidden[:, :drafts], groups[:, -1], groups[:, -2],
+                         steps=cfg.num_proposals)
+    assert out.tokens.shape == (3, drafts) and out.logits.shape == (3, drafts, 80)
+    for b in range(3):
+        assert out.tokens[b].tolist() == naive_block(draft, chs[b], groups[b], embed)[1][:drafts]
 
 
 def test_short_group_left_padded_equals_unpadded():

@@ -181,15 +181,17 @@ def test_manifest_from_incompatible_version(runner, engine_copy):
 
 def test_older_formats_are_refused_with_rebuild(engine_copy):
     """Formats 3-5 had one decode graph that sampled (temperature and uniforms in, for greedy calls
-    too); format 6 splits it into "decode" (greedy) and "decode_sampling", so no earlier engine has
-    today's graphs: each is refused with the fix named, and a format-6 manifest reads back equal."""
+    too); format 6 splits it into "decode" (greedy) and "decode_sampling"; format 7's greedy step takes
+    "next_width" (the drafts it makes). So no earlier engine has today's graphs: each is refused with
+    the fix named, and a format-7 manifest reads back equal."""
     from dlite_trt.engine.manifest import Manifest
 
     data = json.loads((engine_copy / MANIFEST).read_text())
-    assert data["format_version"] == FORMAT_VERSION == 6 and READ_FORMAT_VERSIONS == (6,)
+    assert data["format_version"] == FORMAT_VERSION == 7 and READ_FORMAT_VERSIONS == (7,)
     assert set(data["graphs"]) == set(data["contract"]) >= {"decode", "decode_sampling"}
     assert "temperature" not in [t["name"] for t in data["contract"]["decode"]["inputs"]]
-    for old in (3, 4, 5):
+    assert "next_width" in [t["name"] for t in data["contract"]["step"]["inputs"]]
+    for old in (3, 4, 5, 6):
         with pytest.raises(EngineError, match=rf"engine format {old}.*Rebuild the engine"):
             Manifest.from_dict(data | {"format_version": old}, "m.json")
     built = Manifest.from_dict(data, "m.json")

@@ -98,6 +98,9 @@ STEP_CASES = [
     # a greedy step verifying fewer than K drafts (the sampling step ignores "verify": it verifies K)
     ({"batch": 3, "cache": 24, "verify": 2}, [0.0, 0.0, 0.7], [None, 0, 0]),
     ({"batch": 2, "cache": 16, "verify": 4}, [0.0, 0.0], [None, 1]),
+    # a greedy step drafting fewer than K for the next step (sampling steps draft K)
+    ({"batch": 2, "cache": 24, "verify": 3, "next": 2}, [0.0, 0.7], [None, 0]),
+    ({"batch": 3, "cache": 16, "next": 3}, [0.0, 0.0, 1.3], [1, None, 0]),
 ]
 POLYGRAPHY_SIZES = {
     "prefill": [{"batch": 1, "chunk": 4, "cache": 24}, {"batch": 4, "chunk": 9, "cache": 33}],
@@ -389,6 +392,23 @@ def _check_ort_parity(engine: Engine, graph: str) -> None:
             greedy_accepted |= set(got["accepted"][_greedy_rows(feed)].tolist())
     if _base(graph) == "step":  # the cases exercised no, partial and full acceptance
         assert {0, engine.k} <= greedy_accepted and greedy_accepted - {0, engine.k}, greedy_accepted
+
+
+def test_a_step_drafting_fewer_drafts_the_first_of_the_block(engine: Engine) -> None:
+    """A greedy step asked for D < K drafts (``next_width`` D + 1 wide) returns the first D of the K the
+    same step drafts when asked for all (the head is sequential: draft i reads drafts before it only),
+    and everything else alike: the exported graph, at every D."""
+    spec = engine.contract["step"]
+    session = ort.InferenceSession(str(engine.onnx_path("step")), providers=["CPUExecutionProvider"])
+    feed = _dummy(spec, {"batch": 3, "cache": 24, "verify": 3}, np.random.default_rng(7))
+    full = dict(zip(spec.output_names, session.run(spec.output_names, feed), strict=True))
+    assert full["next_block"].shape == (3, engine.k + 1)
+    for drafts in range(1, engine.k):
+        fewer = dict(zip(spec.output_names, session.run(spec.output_names, {
+            **feed, "next_width": np.zeros((3, drafts + 1), np.int64)}), strict=True))
+        for name, value in fewer.items():
+            want = full[name][:, : drafts + 1] if name == "next_block" else full[name]
+            np.testing.assert_array_equal(value, want, err_msg=f"{name} at {drafts} drafts")
 
 
 @pytest.mark.parametrize("graph", GRAPHS)

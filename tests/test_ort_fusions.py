@@ -11,7 +11,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from dlite_trt.export.ort_fusions import ORT_DOMAIN, fuse_skip_norms
+from dlite_trt.export.ort_fusions import ORT_DOMAIN, drop_unread_nodes, fuse_skip_norms
 
 H = 64
 
@@ -63,3 +63,22 @@ def test_a_sum_normalized_twice_is_left_alone() -> None:
     model = _layer_graph(second_norm=True)
     assert fuse_skip_norms(model) == 1  # the first sum only
     assert sum(n.op_type == "Add" for n in model.graph.node) == 1
+
+
+def test_nodes_nothing_reads_are_dropped_with_their_initializers() -> None:
+    """A chain whose end nothing reads goes, node by node back to the graph's inputs, with the
+    initializers only it read; what the outputs need stays, and the outputs are unchanged."""
+    model = _layer_graph()
+    graph = model.graph
+    graph.node.extend([helper.make_node("Mul", ["s1", "dead_w"], ["d1"]),
+                       helper.make_node("Relu", ["d1"], ["d2"]),
+                       helper.make_node("Concat", ["d2", "s2"], ["d3"], axis=-1)])
+    graph.initializer.append(numpy_helper.from_array(np.full(H, 3.0, np.float32), "dead_w"))
+    feed = {n: np.random.default_rng(1).standard_normal((1, 3, H)).astype(np.float32) for n in ("x", "a")}
+    before = _run(model, feed)
+    assert drop_unread_nodes(model) == 3
+    assert [n.op_type for n in graph.node] == [n.op_type for n in _layer_graph().graph.node]
+    assert "dead_w" not in {i.name for i in graph.initializer} and {"w1", "w2", "two"} <= {i.name for i in graph.initializer}
+    for got, want in zip(_run(model, feed), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert drop_unread_nodes(model) == 0

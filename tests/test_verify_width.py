@@ -251,6 +251,27 @@ def test_every_width_is_lossless(bigram):
         assert max(n for _, n in rows) == k
 
 
+def test_each_step_drafts_the_width_it_verifies(bigram, monkeypatch):
+    """A greedy step drafts only what the next step verifies: at k drafts a step, every step call's
+    next_block holds k drafts (its head ran k steps, not K), and the output is transformers' greedy."""
+    hf, engine, _ = bigram
+    drafted, infer = [], engine.runner.infer
+
+    def recording(graph, feeds, cache):
+        out = infer(graph, feeds, cache)
+        if graph == "step":
+            drafted.append(out["next_block"].shape[1] - 1)
+        return out
+
+    monkeypatch.setattr(engine.runner, "infer", recording)
+    prompt = [3, 5, 7, 9, 11, 2, 4]
+    for k in (1, 3):
+        drafted.clear()
+        result = EngineGenerator(engine.runner, engine.manifest, k).generate([prompt], SamplingParams(max_new_tokens=NEW))
+        assert result.output_ids == [hf_greedy(hf, prompt, NEW)]
+        assert len(drafted) == len(result.steps) and set(drafted) == {k} and k < engine.cfg.num_proposals
+
+
 def test_a_session_verifies_the_width_of_its_context(bigram):
     """A calibrated choice whose width grows with the context: each greedy step verifies the width
     of the context it runs at (so the width changes within one generation), losslessly."""

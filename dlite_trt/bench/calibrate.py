@@ -29,7 +29,7 @@ from dlite_trt.bench.context_cost import burst_rounds, decode_feed, timing_cache
 from dlite_trt.bench.metrics import spread
 from dlite_trt.bench.workloads import chat, held_out_ids, source_files
 from dlite_trt.errors import DLiteError
-from dlite_trt.export.contract import dummy_inputs
+from dlite_trt.export.contract import dummy_inputs, steady_step
 from dlite_trt.runtime import verify_width
 from dlite_trt.runtime.engine import EngineGenerator
 from dlite_trt.runtime.session import SamplingParams
@@ -87,7 +87,7 @@ def call_costs(gen: EngineGenerator, keys: Sequence[verify_width.Key], runs: int
         sizes = {"batch": batch, "cache": cache.capacity}
         named = {}
         for k in range(1, k_max + 1):
-            feed = dummy_inputs(manifest.contract["step"], sizes | {"verify": k + 1},
+            feed = dummy_inputs(manifest.contract["step"], sizes | steady_step(k),
                                 vocab_size=manifest.target_spec.vocab_size, rng=rng)
             feed["past_len"][:] = context
             named[f"step k={k}"] = ("step", feed)

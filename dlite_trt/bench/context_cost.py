@@ -72,7 +72,7 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, drafts: int | Non
     import onnxruntime as ort
 
     from dlite_trt.engine.manifest import load_manifest
-    from dlite_trt.export.contract import cache_capacity_max, dummy_inputs
+    from dlite_trt.export.contract import cache_capacity_max, dummy_inputs, steady_step
     from dlite_trt.export.recurrence import OP_NAME
     from dlite_trt.model.draft import DLiteDraft
     from dlite_trt.runtime.ort_runner import run_in_place
@@ -93,7 +93,7 @@ def step_profile(engine_dir: Path, contexts: Sequence[int], *, drafts: int | Non
         sessions[ctx] = ort.InferenceSession(str(engine_dir / manifest.graphs["step"]["onnx"]), so,
                                              providers=["CPUExecutionProvider"])
         cache = min(ctx + 128, largest_cache)  # room for the block, within the engine's largest cache
-        sizes = {"batch": 1, "cache": cache} | ({} if drafts is None else {"verify": drafts + 1})
+        sizes = {"batch": 1, "cache": cache} | ({} if drafts is None else steady_step(drafts))
         feeds[ctx] = dummy_inputs(spec, sizes, vocab_size=manifest.target_spec.vocab_size,
                                   rng=np.random.default_rng(0))
         feeds[ctx]["past_len"][:] = ctx
@@ -191,7 +191,7 @@ def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progres
     ``burst_rounds`` for the timing."""
     import numpy as np
 
-    from dlite_trt.export.contract import dummy_inputs
+    from dlite_trt.export.contract import dummy_inputs, steady_step
 
     manifest = engine.manifest
     block = manifest.draft_config.block_size
@@ -201,7 +201,7 @@ def call_times(engine: Any, contexts: Sequence[int], *, runs: int = 100, progres
         width = widths[ctx] = engine.greedy_drafts(1, context=ctx) + 1  # the block a DLite step verifies there
         cache = timing_cache(engine.runner, 1, ctx + 2 * block)
         sizes = {"batch": 1, "cache": cache.capacity}
-        step = dummy_inputs(manifest.contract["step"], sizes | {"verify": width},
+        step = dummy_inputs(manifest.contract["step"], sizes | steady_step(width - 1),
                             vocab_size=manifest.target_spec.vocab_size, rng=rng)
         step["past_len"][:] = ctx
         calls[ctx] = (cache, {"step": ("step", step),

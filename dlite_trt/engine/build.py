@@ -170,11 +170,11 @@ def package_versions() -> dict[str, str]:
 
 def optimize_for_onnxruntime(src: Path, dst: Path) -> None:
     """Let ONNX Runtime optimize a graph (function inlined, fusions applied), add the fusions it leaves
-    (``export/ort_fusions.py``) and save the result."""
+    and drop the nodes nothing reads (``export/ort_fusions.py``) and save the result."""
     import onnx
     import onnxruntime as ort
 
-    from dlite_trt.export.ort_fusions import fuse_skip_norms
+    from dlite_trt.export.ort_fusions import drop_unread_nodes, fuse_skip_norms
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # portable across CPUs
@@ -183,7 +183,7 @@ def optimize_for_onnxruntime(src: Path, dst: Path) -> None:
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
     model = onnx.load(str(dst), load_external_data=False)  # the weights stay in dst's data file, untouched
-    if fuse_skip_norms(model):
+    if fuse_skip_norms(model) + drop_unread_nodes(model):
         onnx.save_model(model, str(dst))
 
 

@@ -34,10 +34,11 @@ from dlite_trt.targets import RANDOM_WEIGHTS_SEED, TargetSource
 
 MANIFEST = "manifest.json"
 FORMAT = "dlite-trt-engine"
-FORMAT_VERSION = 6  # bump when the graph I/O or directory layout changes incompatibly
+FORMAT_VERSION = 7  # bump when the graph I/O or directory layout changes incompatibly
 # 4: "attention" (its "gqa" graphs return the cache buffers they write). 5: "gqa" graphs rotate inside
 # GroupQueryAttention and return no new_key / new_value. 6: "decode" is greedy (no temperature or
-# uniforms) and "decode_sampling" samples, as prefill and step; every earlier engine lacks that graph
+# uniforms) and "decode_sampling" samples, as prefill and step; every earlier engine lacks that graph.
+# 7: the greedy "step" takes "next_width" and drafts only that many (next_block [B, D + 1])
 READ_FORMAT_VERSIONS = (FORMAT_VERSION,)
 GRAPH_DIR = "graphs"  # graphs/{name}.onnx, graphs/{name}.ort.onnx, graphs/weights.bin
 HASH_AT_LOAD_MAX_BYTES = 64 << 20  # files up to this size are hashed on every load; larger ones on verify

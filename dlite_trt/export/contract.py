@@ -10,7 +10,9 @@ Graphs (DESIGN 2):
 - ``step``: verify [anchor, d_1..d_k] on top of the cache, accept per sequence, draft the next
   block from the pivot at the last accepted position. One call = one speculative step. The
   greedy step's width k + 1 is dynamic (``verify``, 2..K+1): the host verifies the first k of
-  the K drafts where that pays more tokens per second (runtime/verify_width.py).
+  the K drafts where that pays more tokens per second (runtime/verify_width.py); and so is the
+  next block's (``next``, 2..K+1, the width of its ``next_width`` input): the draft's head makes
+  only the drafts the next step will verify (its first D of K; each costs a sequential step).
 - ``decode``: the target alone over a chunk (target-only decoding, the baseline).
 
 ``prefill`` and ``step`` are greedy: argmax everywhere, no draft logits leave the graph.
@@ -216,6 +218,7 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
     temperature = TensorSpec("temperature", "float32", ("batch",), "per sequence; <= 1e-5 is greedy")
     next_logits = TensorSpec("next_draft_logits", "float32", ("batch", k, v), "logits next_block's drafts came from")
     next_block = TensorSpec("next_block", "int64", ("batch", k + 1), "[anchor, d_1..d_K] for the next step")
+    next_drafted = TensorSpec("next_block", "int64", ("batch", "next"), "[anchor, d_1..d_D] for the next step")
 
     def prefill(sampling: bool) -> GraphSpec:
         return GraphSpec("prefill" + SAMPLING_SUFFIX * sampling, inputs=(
@@ -238,11 +241,15 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
     def step(sampling: bool) -> GraphSpec:
         # greedy steps verify the first k <= K drafts (the block's width is k + 1; the host picks k,
         # runtime/verify_width.py); sampling steps verify all K (their draft logits are [B, K, V])
+        # and draft the next step's D <= K (next_block [B, D + 1])
         width: str | int = k + 1 if sampling else "verify"
-        dims = (batch, cache) if sampling else (batch, cache, Dim("verify", 2, k + 1, k + 1))
+        greedy_dims = (Dim("verify", 2, k + 1, k + 1), Dim("next", 2, k + 1, k + 1))
+        dims = (batch, cache) if sampling else (batch, cache, *greedy_dims)
         return GraphSpec("step" + SAMPLING_SUFFIX * sampling, inputs=(
             TensorSpec("block", "int64", ("batch", width), "[anchor, d_1..d_k] (k <= K) from the previous call"),
             TensorSpec("past_len", "int64", ("batch",), "cached tokens = position of the anchor"),
+            *([] if sampling else [TensorSpec("next_width", "int64", ("batch", "next"),
+                                              "any values: its width D + 1 is next_block's (the step drafts D)")]),
             *prefix,
             *([TensorSpec("draft_logits", "float32", ("batch", k, v), "next_draft_logits of the previous call"),
                temperature,
@@ -254,7 +261,7 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
         ), outputs=(
             TensorSpec("accepted", "int64", ("batch",), "n: drafts accepted; the step emits n + 1 tokens"),
             TensorSpec("emitted", "int64", ("batch", width), f"d_1..d_n, the new anchor, then {PAD_TOKEN}"),
-            next_block,
+            next_block if sampling else next_drafted,
             *([TensorSpec("next_group_prefix", "int64", ("batch", g - 1), "group_prefix for the next step")]
               if g > 1 else []),
             *([next_logits] if sampling else []),
@@ -280,6 +287,12 @@ def engine_contract(spec: TargetSpec, cfg: DraftConfig, limits: EngineLimits,
     return {gs.name: gs for gs in graphs}
 
 
+def steady_step(drafts: int) -> dict[str, int]:
+    """The dim sizes of a greedy step that verifies ``drafts`` drafts and drafts as many for the next
+    step: what decoding at that verify width runs, step after step."""
+    return {"verify": drafts + 1, "next": drafts + 1}
+
+
 def dummy_inputs(graph: GraphSpec, sizes: Mapping[str, int], *, vocab_size: int,
                  rng: np.random.Generator, check: bool = True) -> dict[str, np.ndarray]:
     """Valid random inputs for a graph at the given dim sizes (tests, tracing, TensorRT checks).
@@ -301,6 +314,8 @@ def dummy_inputs(graph: GraphSpec, sizes: Mapping[str, int], *, vocab_size: int,
         shape = t.shape(sizes)
         if t.name in ("input_ids", "block", "group_prefix"):
             value = rng.integers(0, vocab_size, shape)
+        elif t.name == "next_width":  # only its shape counts
+            value = np.zeros(shape)
         elif t.name == "chunk_len":
             value = rng.integers(1, chunk + 1, shape)
         elif t.name == "output_index":

@@ -57,14 +57,19 @@ class _EngineGraph(nn.Module):
 
     def draft_block(self, x: dict[str, torch.Tensor], chs: torch.Tensor, prefix: torch.Tensor | None,
                     anchor: torch.Tensor, anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft from the pivot chs [B, S, H] and the group [prefix, anchor] -> (next_block, draft_logits)."""
+        """Draft from the pivot chs [B, S, H] and the group [prefix, anchor] -> (next_block [B, D + 1],
+        draft_logits): D = next_width's width - 1 where the graph takes it (the greedy step), else all K.
+        The backbone sees the whole block; the sequential head runs D steps, so its first D drafts are
+        those of K steps."""
         g = self.draft.cfg.anchor_group_size
         group = anchor[:, None] if prefix is None else torch.cat([prefix, anchor[:, None]], dim=1)  # [B, G]
         group_len = (anchor_pos + 1).clamp(max=g)  # [B] G' = min(G, anchor_pos + 1)
         hidden = self.draft.backbone(chs, group, group_len, self.target.embed_weight)  # [B, K, H]
+        if "next_width" in x:
+            hidden = hidden[:, : x["next_width"].shape[1] - 1]  # [B, D, H]
         seed_prev = group[:, -2] if g > 1 else None
         head = low_rank_recurrence(self.draft.sequential_head, hidden, anchor, seed_prev, x.get("temperature"),
-                                   x.get("u_draft"))
+                                   x.get("u_draft"), self.draft.cfg.num_proposals)
         return torch.cat([anchor[:, None], head.tokens], dim=1), head.logits
 
 

@@ -1,8 +1,8 @@
 """Export one engine graph to ONNX (torch.onnx.export, TorchScript exporter) and lower it.
 
 Names, dynamic axes and the trace inputs come from the graph's contract. The trace shapes are
-deliberately odd (batch 2, chunk 3, cache 7, a step verifying 2 drafts) so that parity tests at other shapes prove the
-dims are really dynamic. Weights go to one external data file next to the graph, so targets
+deliberately odd (batch 2, chunk 3, cache 7, a step verifying 2 drafts and drafting 3) so that
+parity tests at other shapes prove the dims are really dynamic. Weights go to one external data file next to the graph, so targets
 above protobuf's 2 GB limit export.
 """
 
@@ -32,7 +32,7 @@ from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.model.target import TargetAdapter
 
 LOWERINGS = ("onnxruntime", "tensorrt")
-TRACE_SIZES = {"batch": 2, "chunk": 3, "outputs": 2, "cache": 7, "verify": 3}
+TRACE_SIZES = {"batch": 2, "chunk": 3, "outputs": 2, "cache": 7, "verify": 3, "next": 4}
 
 
 def trace_inputs(graph: GraphSpec, vocab_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

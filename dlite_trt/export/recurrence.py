@@ -6,17 +6,18 @@ are defined here once; the TensorRT plugin (plugins/lowrank_recurrence) imports 
 Node contract (inputs in this order, outputs, attributes). Tokens are rows of the head's
 vocabulary: the target's V ids, or with a reduced draft vocabulary its V_d rows (then V below is
 V_d, and the graph maps target ids to rows before the node and rows back after it):
-    draft_hidden [B, K, H] float   the backbone's output
+    draft_hidden [B, D, H] float   the backbone's output at the block's first D positions
     anchor       [B] int64         prev token of step 1
     seed_prev    [B] int64         token before the anchor (read only when seeded = 1)
     temperature  [B] float32       <= 1e-5: argmax, else inverse-CDF sample of softmax(logits / T)
                                    (read only when sampling = 1; greedy graphs pass zeros)
-    uniforms     [B, K] float32    one uniform in [0, 1) per step (read only when sampling = 1)
+    uniforms     [B, D] float32    one uniform in [0, 1) per step (read only when sampling = 1)
     prev_token_embedding [V, r], state_proj_weight [2r, 2r], state_proj_bias [2r],
     state_hidden_mlp_weight [r, r + H], state_hidden_mlp_bias [r], output_proj_weight [V, r]
-  -> tokens [B, K] int64, logits [B, K, V] float32
-    attributes: num_steps = K, seeded = 1 when G > 1, sampling = 1 in the sampling graphs
-    (0: every token is the argmax and the logits output may go unused)
+  -> tokens [B, D] int64, logits [B, D, V] float32
+    attributes: num_steps = K (the most steps: D <= K is draft_hidden's dim 1, known at run time;
+    a greedy step drafts only what the next step verifies), seeded = 1 when G > 1, sampling = 1 in
+    the sampling graphs (0: every token is the argmax and the logits output may go unused)
 
 Two lowerings, chosen after export:
 - ONNX Runtime: the model carries an ONNX function of that name whose body is the reference
@@ -62,14 +63,15 @@ TRT_EXTRA_OUTPUTS = (TRT_WORKSPACE, *TRT_ABI_SLOTS)
 class _RecurrenceOp(torch.autograd.Function):
     """Runs the reference recurrence; exports as one ``dlite::LowRankRecurrence`` node.
 
-    ``num_steps`` (K) and ``vocab`` (V) are passed as Python ints so the node's output types are
-    static even where the tracer only knows ranks.
+    ``num_steps`` (K, the most steps) and ``vocab`` (V) are passed as Python ints so that the node's
+    attributes and its outputs' vocabulary dim are static; the steps D (dim 1) are dynamic.
     """
 
     @staticmethod
     def forward(ctx, draft_hidden, anchor, seed_prev, temperature, uniforms, num_steps, vocab, seeded, sampling,
                 *weights):
-        return _run(HeadWeights(*weights), draft_hidden, anchor, seed_prev, temperature, uniforms, seeded, sampling)
+        return _run(HeadWeights(*weights), draft_hidden, anchor, seed_prev, temperature, uniforms, seeded, sampling,
+                    num_steps)
 
     @staticmethod
     def symbolic(g, draft_hidden, anchor, seed_prev, temperature, uniforms, num_steps, vocab, seeded, sampling,
@@ -78,34 +80,35 @@ class _RecurrenceOp(torch.autograd.Function):
                               *weights, num_steps_i=num_steps, seeded_i=int(seeded), sampling_i=int(sampling),
                               outputs=2)
         tensor_type = torch._C.TensorType.get()
-        tokens.setType(tensor_type.with_dtype(torch.int64).with_sizes([None, num_steps]))
-        logits.setType(tensor_type.with_dtype(torch.float32).with_sizes([None, num_steps, vocab]))
+        tokens.setType(tensor_type.with_dtype(torch.int64).with_sizes([None, None]))
+        logits.setType(tensor_type.with_dtype(torch.float32).with_sizes([None, None, vocab]))
         return tokens, logits
 
 
 def _run(w: HeadWeights, draft_hidden, anchor, seed_prev, temperature, uniforms, seeded: bool,
-         sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The node's semantics: the reference recurrence with the node's flags applied."""
+         sampling: bool, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The node's semantics: the reference recurrence with the node's flags applied, written out for
+    ``num_steps`` steps (draft_hidden's D <= num_steps of them do work)."""
     out = recurrence(w, draft_hidden, anchor, seed_prev if seeded else None,
-                     temperature if sampling else 0.0, uniforms if sampling else None)
+                     temperature if sampling else 0.0, uniforms if sampling else None, steps=num_steps)
     return out.tokens, out.logits.float()
 
 
 def low_rank_recurrence(head: SequentialHead, draft_hidden: torch.Tensor, anchor: torch.Tensor,
                         seed_prev: torch.Tensor | None, temperature: torch.Tensor | None,
-                        uniforms: torch.Tensor | None) -> HeadOutput:
-    """The head's K steps (greedy when ``temperature`` is None); one custom node when traced for
-    ONNX export, the reference otherwise. Tokens [B, K] are target ids and logits [B, K, V] span the
-    target vocabulary: with a draft vocabulary the node works in draft rows (its ``vocab`` is V_d)
-    and the head's standard-op mapping surrounds it (``SequentialHead.mapped``)."""
+                        uniforms: torch.Tensor | None, num_steps: int) -> HeadOutput:
+    """The head's D steps over draft_hidden [B, D, H] (greedy when ``temperature`` is None; D at most
+    ``num_steps``, the block's K); one custom node when traced for ONNX export, the reference otherwise.
+    Tokens [B, D] are target ids and logits [B, D, V] span the target vocabulary: with a draft
+    vocabulary the node works in draft rows (its ``vocab`` is V_d) and the head's standard-op mapping
+    surrounds it (``SequentialHead.mapped``)."""
     if not torch.onnx.is_in_onnx_export():
         out = head(draft_hidden, anchor, seed_prev, 0.0 if temperature is None else temperature, uniforms)
         return HeadOutput(out.tokens, out.logits.float())
     seeded, sampling = seed_prev is not None, temperature is not None
-    b, num_steps = draft_hidden.shape[0], int(draft_hidden.shape[1])
     if not sampling:  # the node's inputs are fixed; greedy graphs feed zeros it does not read
-        temperature = draft_hidden.new_zeros(b, dtype=torch.float32)
-        uniforms = draft_hidden.new_zeros(b, num_steps, dtype=torch.float32)
+        temperature = torch.zeros_like(draft_hidden[:, 0, 0], dtype=torch.float32)  # [B]
+        uniforms = torch.zeros_like(draft_hidden[:, :, 0], dtype=torch.float32)  # [B, D]
     rows = int(head.output_proj.weight.shape[0])  # V, or V_d with a draft vocabulary
 
     def node(anchor_row: torch.Tensor, seed_row: torch.Tensor | None) -> HeadOutput:
@@ -119,22 +122,23 @@ def low_rank_recurrence(head: SequentialHead, draft_hidden: torch.Tensor, anchor
 class _Body(nn.Module):
     """The node's semantics with weights as inputs, exported to become the function body."""
 
-    def __init__(self, seeded: bool, sampling: bool) -> None:
+    def __init__(self, seeded: bool, sampling: bool, num_steps: int) -> None:
         super().__init__()
-        self.seeded, self.sampling = seeded, sampling
+        self.seeded, self.sampling, self.num_steps = seeded, sampling, num_steps
 
     def forward(self, draft_hidden, anchor, seed_prev, temperature, uniforms, *weights):
         return _run(HeadWeights(*weights), draft_hidden, anchor, seed_prev, temperature, uniforms, self.seeded,
-                    self.sampling)
+                    self.sampling, self.num_steps)
 
 
 def recurrence_function(head: SequentialHead, num_steps: int, seeded: bool, sampling: bool,
                         dtype: torch.dtype) -> onnx.FunctionProto:
     """An ONNX function ``dlite.LowRankRecurrence`` whose body is the reference recurrence.
 
-    The body is exported from ``recurrence`` itself (batch dynamic, K unrolled), so the
-    ONNX Runtime lowering cannot drift from the reference. Inputs the body does not read
-    (seed_prev when not seeded, temperature/uniforms when greedy) stay in its signature.
+    The body is exported from ``recurrence`` itself (batch and steps D dynamic, K steps written
+    out, those past D empty), so the ONNX Runtime lowering cannot drift from the reference.
+    Inputs the body does not read (seed_prev when not seeded, temperature/uniforms when greedy)
+    stay in its signature.
     """
     b = 2
     args = (
@@ -146,10 +150,12 @@ def recurrence_function(head: SequentialHead, num_steps: int, seeded: bool, samp
         *(w.detach() for w in head.weights()),
     )
     dynamic = {name: {0: "batch"} for name in INPUT_NAMES[:5]} | {name: {0: "batch"} for name in OUTPUT_NAMES}
+    for name in ("draft_hidden", "uniforms", *OUTPUT_NAMES):  # the steps D <= num_steps
+        dynamic[name][1] = "steps"
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TracerWarnings of the shape checks; unused inputs
         path = Path(tmp) / "body.onnx"
-        torch.onnx.export(_Body(seeded, sampling), args, str(path), dynamo=False, opset_version=OPSET,
+        torch.onnx.export(_Body(seeded, sampling, num_steps), args, str(path), dynamo=False, opset_version=OPSET,
                           input_names=list(INPUT_NAMES), output_names=list(OUTPUT_NAMES), dynamic_axes=dynamic,
                           do_constant_folding=False)
         graph = onnx.load(str(path)).graph

@@ -44,8 +44,8 @@ class HeadWeights(NamedTuple):
 
 def recurrence_step(w: HeadWeights, state: torch.Tensor, prev: torch.Tensor,
                     hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step. state [B, r], prev [B] int64, hidden [B, H] -> (latent [B, r], state [B, r])."""
-    e = F.embedding(prev, w.prev_token_embedding)  # [B, r]
+    """One step. state [..., r], prev [...] int64, hidden [..., H] -> (latent [..., r], state [..., r])."""
+    e = F.embedding(prev, w.prev_token_embedding)  # [..., r]
     rank = static_size(w.prev_token_embedding, 1)  # a Python int: exports as a Split with constant sizes
     gate_raw, cand_raw = F.linear(torch.cat([state, e], dim=-1), w.state_proj_weight, w.state_proj_bias).split(rank, -1)
     gate = torch.sigmoid(gate_raw)
@@ -56,33 +56,42 @@ def recurrence_step(w: HeadWeights, state: torch.Tensor, prev: torch.Tensor,
 
 def recurrence(
     w: HeadWeights,
-    draft_hidden: torch.Tensor,  # [B, K, H] the backbone's output
+    draft_hidden: torch.Tensor,  # [B, D, H] the backbone's output at the block's first D positions
     anchor: torch.Tensor,  # [B] int64
     seed_prev: torch.Tensor | None,  # [B] int64 token at anchor_pos - 1 (G > 1), else None
     temperature: float | torch.Tensor = 0.0,  # a float, or [B] per sequence
-    uniforms: torch.Tensor | None = None,  # [B, K] in [0, 1), required when any row samples
-    teacher_tokens: torch.Tensor | None = None,  # [B, K] training: prev_{k+1} = teacher_tokens[:, k]
+    uniforms: torch.Tensor | None = None,  # [B, D] in [0, 1), required when any row samples
+    teacher_tokens: torch.Tensor | None = None,  # [B, D] training: prev_{k+1} = teacher_tokens[:, k]
+    *,
+    steps: int | None = None,
 ) -> HeadOutput:
-    """The K head steps of one block: tokens [B, K] and the logits [B, K, V] each was chosen from.
+    """The head's steps over a block: tokens [B, D] and the logits [B, D, V] each was chosen from.
 
     With ``teacher_tokens`` (teacher forcing, for training) step k+1 is fed the true token
     instead of the draft's own choice; the returned tokens are still the draft's choices.
+
+    Step k works on [B, 1, ...] slices (``draft_hidden[:, k:k+1]``), which are empty ([B, 0, ...])
+    from k = D on, and an empty step empties every later one: so ``steps`` (default D) steps may be
+    written out for any D <= ``steps`` and only D of them do work. The exported node's body is
+    written out for the block's K steps and drafts the D a step asks for (export/recurrence.py).
     """
-    b, num_steps = draft_hidden.shape[:2]
+    b = draft_hidden.shape[0]
     hidden_size, rank = static_size(draft_hidden, 2), static_size(w.prev_token_embedding, 1)
-    state = draft_hidden.new_zeros(b, rank)
+    state = draft_hidden.new_zeros(b, 1, rank)
     if seed_prev is not None:  # G > 1: one step on the token before the anchor, latent discarded
-        _, state = recurrence_step(w, state, seed_prev, draft_hidden.new_zeros(b, hidden_size))
-    prev = anchor
+        _, state = recurrence_step(w, state, seed_prev[:, None], draft_hidden.new_zeros(b, 1, hidden_size))
+    prev = anchor[:, None]  # [B, 1]
     tokens, logits = [], []
-    for k in range(num_steps):
-        latent, state = recurrence_step(w, state, prev, draft_hidden[:, k])
-        step_logits = F.linear(latent, w.output_proj_weight)  # [B, V]
-        chosen = sample_from_logits(step_logits, temperature, None if uniforms is None else uniforms[:, k])
+    for k in range(draft_hidden.shape[1] if steps is None else steps):
+        hidden = draft_hidden[:, k: k + 1]  # [B, 1, H] for k < D, else [B, 0, H]
+        present = hidden.shape[1]  # traced: a step past D slices its inputs empty
+        latent, state = recurrence_step(w, state[:, :present], prev[:, :present], hidden)
+        step_logits = F.linear(latent, w.output_proj_weight)  # [B, 1, V]
+        chosen = sample_from_logits(step_logits, temperature, None if uniforms is None else uniforms[:, k: k + 1])
         tokens.append(chosen)
         logits.append(step_logits)
-        prev = chosen if teacher_tokens is None else teacher_tokens[:, k]
-    return HeadOutput(torch.stack(tokens, dim=1), torch.stack(logits, dim=1))
+        prev = chosen if teacher_tokens is None else teacher_tokens[:, k: k + 1]
+    return HeadOutput(torch.cat(tokens, dim=1), torch.cat(logits, dim=1))
 
 
 def draft_vocab_problem(ids: torch.Tensor, vocab_size: int, mask_token_id: int) -> str | None:

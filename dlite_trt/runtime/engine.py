@@ -312,6 +312,8 @@ class EngineSession(SessionBase):
                     self._looked_up(block, width, proposals)
                 feeds = {"block": block, "past_len": past_len, **prefix, **carried,
                          **random_feeds(("u_accept", (b, k)), ("u_resample", (b,)), ("u_draft", (b, k)))}
+                if not sampling:  # draft what the next step verifies (it verifies no more than that)
+                    feeds["next_width"] = next_width(b, self.gen.greedy_drafts(b, context=int(past_len.max()) + width))
                 out = self._infer("step" + suffix, feeds)
                 n = out["accepted"].tolist()
                 self._store(out, past_len.tolist(), [n[r] + 1 if a else 0 for r, a in enumerate(self._active)])
@@ -340,7 +342,7 @@ class EngineSession(SessionBase):
         anchor: it was emitted by the previous call) where there is one, else the draft's first
         width-1 drafts; the block widens to the longest proposal (at most K), rows with shorter
         ones keep the draft's drafts after theirs."""
-        out = np.array(block[:, : max(width, 1 + max(map(len, proposals)))])
+        out = widened(block, max(width, 1 + max(map(len, proposals))))
         for row, proposal in enumerate(proposals):
             out[row, 1 : 1 + len(proposal)] = proposal
         return out
@@ -398,6 +400,23 @@ class EngineSession(SessionBase):
     def max_verify_tokens(self) -> int:
         # the KV capacity reserved past the longest sequence, and at most one decode chunk
         return min(self.gen.cfg.block_size, self.gen.manifest.limits.max_chunk)
+
+
+def widened(block: np.ndarray, width: int) -> np.ndarray:
+    """The first ``width`` entries of the last axis of ``block`` ([..., D + 1]: [anchor, drafts]), a new
+    array, zeros past D where the step drafted fewer (verified as any draft: kept only where they are
+    the target's own tokens)."""
+    out = np.zeros((*block.shape[:-1], width), np.int64)
+    out[..., : min(width, block.shape[-1])] = block[..., :width]
+    return out
+
+
+def next_width(batch: int, drafts: int) -> np.ndarray:
+    """The greedy step's ``next_width`` input: [B, D + 1], only its width counts: the step drafts D, as
+    many as the next step verifies. Each draft is a sequential step of the draft's head, so a step
+    that drafted the block's K where the next verifies fewer paid for the rest (SmolLM2 fp32 on 2
+    cores: 4% of a decode call at 4 verified drafts of 7)."""
+    return np.zeros((batch, drafts + 1), np.int64)
 
 
 def _host(uniforms, *shape: int) -> np.ndarray:

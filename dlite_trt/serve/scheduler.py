@@ -40,7 +40,9 @@ from dlite_trt.runtime.engine import (
     decode_inputs,
     every_output,
     min_call_tokens,
+    next_width,
     padded_ids,
+    widened,
 )
 from dlite_trt.runtime.kv_cache import GRANULE, KVCache
 from dlite_trt.runtime.prompt_lookup import MissRuns, NgramIndex, PromptLookupConfig, fill_padding
@@ -404,7 +406,7 @@ class _DLiteCalls:
         if k == 0:
             return self._without_draft(rows, view, [[] for _ in rows])
         width = k + 1 if sampling else self._greedy_width(rows, k)
-        return self._verify_and_draft(rows, view, np.stack([r.state["block"][:width] for r in rows]))
+        return self._verify_and_draft(rows, view, np.stack([widened(r.state["block"], width) for r in rows]))
 
     @staticmethod
     def _greedy_width(rows: list[_Row], k: int) -> int:
@@ -440,6 +442,8 @@ class _DLiteCalls:
         feeds = {"block": block, "past_len": past_len}
         if self.g > 1:
             feeds["group_prefix"] = np.stack([r.state["prefix"] for r in rows])
+        if not sampling:  # draft what a step of this batch size verifies
+            feeds["next_width"] = next_width(len(rows), self.sched.generator.greedy_drafts(len(rows)))
         if sampling:
             vocab = self.sched.spec.vocab_size
             feeds |= _stacked(rows, ("u_accept", "u_resample", "u_draft")) | {
@@ -500,7 +504,7 @@ class _DLiteNgramCalls(_DLiteCalls):
         width = max(self._greedy_width(rows, k), *(len(p) + 1 for p in proposals))
         proposals = fill_padding(proposals, width, lambda i, room: [] if rows[i].state["drafted"] else
                                  rows[i].state["ngram"].guess(rows[i].tokens, room))  # no drafts at hand: the guess
-        block = np.stack([r.state["block"][:width] for r in rows])
+        block = np.stack([widened(r.state["block"], width) for r in rows])
         for i, proposal in enumerate(proposals):
             block[i, 1: 1 + len(proposal)] = proposal
         return self._verify_and_draft(rows, view, block)

@@ -45,10 +45,11 @@ def register() -> None:
                  state_hidden_mlp_weight: trtp.TensorDesc, state_hidden_mlp_bias: trtp.TensorDesc,
                  output_proj_weight: trtp.TensorDesc, num_steps: int, seeded: int, sampling: int,
                  rank: int) -> output_descs:
-        # vocab: the head's rows (the target's V, or V_d with a draft vocabulary), never the target's V as such
-        batch, vocab = draft_hidden.shape_expr[0], prev_token_embedding.shape_expr[0]
-        return (trtp.from_shape_expr((batch, num_steps), dtype=trt.int64),
-                trtp.from_shape_expr((batch, num_steps, vocab), dtype=trt.float32),
+        # vocab: the head's rows (the target's V, or V_d with a draft vocabulary), never the target's V as such;
+        # steps: draft_hidden's D <= num_steps (a greedy step drafts what the next one verifies)
+        batch, steps, vocab = draft_hidden.shape_expr[0], draft_hidden.shape_expr[1], prev_token_embedding.shape_expr[0]
+        return (trtp.from_shape_expr((batch, steps), dtype=trt.int64),
+                trtp.from_shape_expr((batch, steps, vocab), dtype=trt.float32),
                 trtp.from_shape_expr((batch, 2, rank), dtype=trt.float32),  # the kernel's workspace
                 *(trtp.from_shape_expr((1,), dtype=trt.int8) for _ in TRT_ABI_SLOTS))  # Triton's hidden pointers
 
@@ -76,7 +77,8 @@ def register() -> None:
         launch.grid_x = draft_hidden.shape_expr[0]  # one program per sequence
         launch.block_x = kernel.metadata.num_warps * 32
         launch.shared_mem = kernel.metadata.shared
-        scalars = (num_steps, draft_hidden.shape_expr[2], rank, prev_token_embedding.shape_expr[0])  # K, H, r, V
+        scalars = (draft_hidden.shape_expr[1], draft_hidden.shape_expr[2], rank,
+                   prev_token_embedding.shape_expr[0])  # D (steps), H, r, V
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in scalars])
         return kernel.metadata.name.encode(), kernel.asm["ptx"].encode(), launch, extra
 
