@@ -91,6 +91,19 @@ def test_sync_counts_the_context_a_drafter_must_index():
     assert drafter.state_bytes() > 0
 
 
+def test_the_guess_rate_counts_guesses_against_the_targets_token():
+    """``MissRuns.guess_rate``: a sixth before any miss, then the share of misses whose 1-gram guess was
+    the target's token (a missing guess is wrong), the prior weighing as two misses."""
+    from dlite_trt.runtime.prompt_lookup import GUESS_PRIOR, MissRuns
+
+    runs = MissRuns()
+    assert runs.guess_rate() == pytest.approx(1 / 6) == GUESS_PRIOR
+    for guess, token in (([5], 5), ([5, 6], 5), ([4], 5), ([], 5)):
+        runs.record_guess(guess, token)
+    assert (runs.guesses, runs.guesses_right) == (4, 2)
+    assert runs.guess_rate() == pytest.approx((2 + 1 / 3) / 6)
+
+
 @pytest.mark.parametrize("bad", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(num_tokens=0)])
 def test_bad_config(bad):
     with pytest.raises(DLiteError):
@@ -427,6 +440,7 @@ def test_dlite_ngram_drafts_for_the_next_step_only_where_it_pays(weak_draft_case
     hf, engine = weak_draft_case
     most = engine.cfg.num_proposals
     table, misses = _policy(most, policy)
+    missed_before = misses.repeated + misses.missed_after_hit
     gen = EngineGenerator(engine.runner, engine.manifest, 3, widths=table)
     prompt = _unsettled_prompt(hf)
     calls, infer = [], engine.runner.infer
@@ -437,6 +451,8 @@ def test_dlite_ngram_drafts_for_the_next_step_only_where_it_pays(weak_draft_case
     result = session._collect(lambda p, timer: session.stream(p, timer, lookup=drafter), SamplingParams(max_new_tokens=NEW))
     assert result.output_ids == [hf_greedy(hf, prompt, NEW)]
     assert misses.after_miss > 1000 and misses.after_hit > 1000  # both kinds of step were counted
+    # every miss's 1-gram guess was checked against the target's token, drafted or not
+    assert misses.guesses == misses.repeated + misses.missed_after_hit - missed_before > 0
     _check_policy(policy, [g for g in calls if g != "prefill"], session.skipped_drafts)
 
 
@@ -450,6 +466,7 @@ def test_the_server_drafts_for_the_next_step_only_where_it_pays(weak_draft_case,
     hf, engine = weak_draft_case
     most = engine.cfg.num_proposals
     table, misses = _policy(most, policy)
+    missed_before = misses.repeated + misses.missed_after_hit
     prompt = _unsettled_prompt(hf)
     calls, infer = [], engine.runner.infer
     monkeypatch.setattr(engine.runner, "infer", lambda graph, *args: (calls.append(graph), infer(graph, *args))[1])
@@ -457,5 +474,6 @@ def test_the_server_drafts_for_the_next_step_only_where_it_pays(weak_draft_case,
     gen = EngineGenerator(engine.runner, engine.manifest, 3, widths=table)
     assert _served(gen, prompt, misses, metrics=metrics) == hf_greedy(hf, prompt, NEW)
     assert misses.after_miss > 1000 and misses.after_hit > 1000
+    assert misses.guesses == misses.repeated + misses.missed_after_hit - missed_before > 0  # every miss's guess
     _check_policy(policy, [g for g in calls if g != "prefill"],
                   metrics.registry.get_sample_value("dlite_draft_skipped_total"))

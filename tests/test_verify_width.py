@@ -149,6 +149,12 @@ def test_drafting_for_the_next_step_pays_past_the_break_even_miss_rate():
     assert [choice.drafting_pays(1, 256, 1, p, hit=True) for p in (0.0, 0.44, 0.45, 1.0)] == [False, False, True, True]
     assert verify_width.WidthChoice(1, [0.5], {1: 1.0}).drafting_pays(1, 256, 1, 0.0)  # no table: at a miss
     assert not verify_width.WidthChoice(1, [0.5], {1: 1.0}).drafting_pays(1, 256, 1, 1.0, hit=True)  # not at a hit
+    # where a miss's decode call keeps the lookup's guess beside its token a quarter of the time, it keeps 1.25
+    # tokens for 10 ms: the drafted step's 1.75 tokens are worth 14 ms, gain 1 ms; at a hit p x 1 < 2 always
+    assert not any(choice.drafting_pays(1, 256, 1, p, hit=True, p_guess=0.25) for p in (0.45, 1.0))
+    # at a miss p / (1 - p) x 1 >= 2: p >= 2 / 3
+    assert [choice.drafting_pays(1, 256, 1, p, p_guess=0.25) for p in (0.66, 0.67)] == [False, True]
+    assert not choice.drafting_pays(1, 256, 1, 0.9, p_guess=0.75)  # 1.75 tokens for 13 ms lose to 1.75 for 10
 
 
 def test_the_lookup_counts_misses_after_misses_and_after_hits():
@@ -267,7 +273,8 @@ def test_each_step_drafts_the_width_it_verifies(bigram, monkeypatch):
     prompt = [3, 5, 7, 9, 11, 2, 4]
     for k in (1, 3):
         drafted.clear()
-        result = EngineGenerator(engine.runner, engine.manifest, k).generate([prompt], SamplingParams(max_new_tokens=NEW))
+        gen = EngineGenerator(engine.runner, engine.manifest, k)
+        result = gen.generate([prompt], SamplingParams(max_new_tokens=NEW))
         assert result.output_ids == [hf_greedy(hf, prompt, NEW)]
         assert len(drafted) == len(result.steps) and set(drafted) == {k} and k < engine.cfg.num_proposals
 

@@ -134,7 +134,8 @@ class EngineGenerator(GeneratorBase):
             return True
         if self.widths is None:
             return not hit
-        return self.widths.drafting_pays(batch, context, UNDRAFTED_WIDTH - 1, misses.rate(after_miss=not hit), hit=hit)
+        return self.widths.drafting_pays(batch, context, UNDRAFTED_WIDTH - 1, misses.rate(after_miss=not hit), hit=hit,
+                                         p_guess=misses.guess_rate())
 
     def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:
         return EngineSession(self, prompts)
@@ -286,6 +287,8 @@ class EngineSession(SessionBase):
         while any(self._active):
             most = min(self.k, self.max_verify_tokens() - 1)  # a skip step verifies on the decode graph
             proposals = None if lookup is None else self._proposals(lookup, most)
+            guesses = None if lookup is None else [lookup.guess(row, t, 1) if a and not p else None for row, (t, p, a)
+                                                   in enumerate(zip(self.tokens, proposals, self._active, strict=True))]
             if proposals is not None and not self.gen.runs_step_graph(
                     self.batch_size, max(self.cache_len), lookup.misses, drafted=drafted,
                     hit=all(p for p, a in zip(proposals, self._active, strict=True) if a)):
@@ -296,6 +299,7 @@ class EngineSession(SessionBase):
                 if self.g > 1:
                     prefix = {"group_prefix": self._group_prefix(anchored=True)}
                 drafted = False
+                _record_guesses(lookup, guesses, event)
                 yield event
                 continue
             with timer.time("step"):
@@ -325,6 +329,8 @@ class EngineSession(SessionBase):
                     prefix = {"group_prefix": out["next_group_prefix"]}
                 if sampling:
                     carried = {"draft_logits": out["next_draft_logits"]}
+            if lookup is not None:
+                _record_guesses(lookup, guesses, event)
             yield event
         timer.seconds["engine"] += self.cache.engine_seconds - engine_before
 
@@ -400,6 +406,14 @@ class EngineSession(SessionBase):
     def max_verify_tokens(self) -> int:
         # the KV capacity reserved past the longest sequence, and at most one decode chunk
         return min(self.gen.cfg.block_size, self.gen.manifest.limits.max_chunk)
+
+
+def _record_guesses(lookup: Any, guesses: list[list[int] | None], event: StepEvent) -> None:
+    """Count each missing row's 1-gram guess (None: the row had a proposal) against the target's token,
+    the first the step emitted for it (``MissRuns.record_guess``)."""
+    for guess, tokens in zip(guesses, event.new_tokens, strict=True):
+        if guess is not None and tokens:
+            lookup.misses.record_guess(guess, tokens[0])
 
 
 def widened(block: np.ndarray, width: int) -> np.ndarray:

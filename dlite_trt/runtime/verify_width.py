@@ -222,11 +222,14 @@ class WidthChoice:
             return self.by_batch[next((b for b in sizes if b >= batch), sizes[-1])]
         return None
 
-    def drafting_pays(self, batch: int, context: int, undrafted: int, p_miss: float, *, hit: bool = False) -> bool:
+    def drafting_pays(self, batch: int, context: int, undrafted: int, p_miss: float, *, hit: bool = False,
+                      p_guess: float = 0.0) -> bool:
         """Whether a step of DLite + n-gram lookup should run the step graph, and so draft for the next
         step, rather than a decode call without the draft. The drafts pay only at a later lookup miss,
-        each such step gaining what a drafted step gains over decode calls,
-        gain = E[tokens | k] x decode - step(k); drafting now costs overhead = step(undrafted) - decode
+        each such step gaining what a drafted step gains over the decode calls a miss runs without drafts,
+        each keeping 1 + ``p_guess`` tokens (its token, and the lookup's 1-gram guess beside it where
+        right), gain = E[tokens | k] x decode / (1 + p_guess) - step(k); drafting now costs overhead =
+        step(undrafted) - decode
         (the call emits what the decode call would). At a miss with no drafts at hand (``hit`` False;
         ``p_miss`` = P(a miss follows a miss)) the misses expected to follow, p / (1 - p), each gain;
         at a step where every row's lookup proposes (``hit``; ``p_miss`` = P(a miss follows a hit)) the
@@ -236,7 +239,7 @@ class WidthChoice:
         if width is None:
             return not hit
         k = self.drafts_for(batch, drafting=True, context=context)
-        gain = expected_tokens(self.curve, k) * width.decode_ms - width.step_ms[k]
+        gain = expected_tokens(self.curve, k) * width.decode_ms / (1.0 + p_guess) - width.step_ms[k]
         overhead = width.step_ms[undrafted] - width.decode_ms
         p = min(p_miss, MAX_MISS_RATE)
         return gain > 0 and (p if hit else p / (1.0 - p)) * gain >= overhead

@@ -475,7 +475,8 @@ class _DLiteNgramCalls(_DLiteCalls):
     the target's token) runs only where the misses expected next pay for it, else rows without a
     proposal decode one token, the guess beside it. Both decisions are
     ``EngineGenerator.runs_step_graph``, from how often a row's lookup has missed right after a hit
-    and right after a miss, over the server's rows (``misses``), as a DLite
+    and right after a miss and how often its 1-gram guess at a miss was the target's token, over the
+    server's rows (``misses``), as a DLite
     + n-gram session decides them. A batch with a sampled row runs plain DLite."""
 
     def __init__(self, sched: Scheduler) -> None:
@@ -495,6 +496,15 @@ class _DLiteNgramCalls(_DLiteCalls):
         for row, proposal in zip(rows, proposals, strict=True):
             self.misses.record(row.state["missed"], not proposal)
             row.state["missed"] = not proposal
+        guesses = [None if p else r.state["ngram"].guess(r.tokens, 1) for r, p in zip(rows, proposals, strict=True)]
+        results = self._lookup_step(rows, view, proposals)
+        for guess, result in zip(guesses, results, strict=True):
+            if guess is not None:
+                self.misses.record_guess(guess, result.tokens[0])
+        return results
+
+    def _lookup_step(self, rows: list[_Row], view: KVCache, proposals: list[list[int]]) -> list[_Result]:
+        """One greedy step of rows whose lookup proposed ``proposals`` (empty: a miss)."""
         k = self.drafts_for(rows)
         # where the batch's width is 0, or drafting would not pay, rows without a proposal decode one token
         if k == 0 or not self.sched.generator.runs_step_graph(
