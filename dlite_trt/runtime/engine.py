@@ -299,7 +299,7 @@ class EngineSession(SessionBase):
                 if self.g > 1:
                     prefix = {"group_prefix": self._group_prefix(anchored=True)}
                 drafted = False
-                _record_guesses(lookup, guesses, event)
+                lookup.misses.record_guesses(guesses, event.new_tokens)
                 yield event
                 continue
             with timer.time("step"):
@@ -330,7 +330,7 @@ class EngineSession(SessionBase):
                 if sampling:
                     carried = {"draft_logits": out["next_draft_logits"]}
             if lookup is not None:
-                _record_guesses(lookup, guesses, event)
+                lookup.misses.record_guesses(guesses, event.new_tokens)
             yield event
         timer.seconds["engine"] += self.cache.engine_seconds - engine_before
 
@@ -406,14 +406,6 @@ class EngineSession(SessionBase):
     def max_verify_tokens(self) -> int:
         # the KV capacity reserved past the longest sequence, and at most one decode chunk
         return min(self.gen.cfg.block_size, self.gen.manifest.limits.max_chunk)
-
-
-def _record_guesses(lookup: Any, guesses: list[list[int] | None], event: StepEvent) -> None:
-    """Count each missing row's 1-gram guess (None: the row had a proposal) against the target's token,
-    the first the step emitted for it (``MissRuns.record_guess``)."""
-    for guess, tokens in zip(guesses, event.new_tokens, strict=True):
-        if guess is not None and tokens:
-            lookup.misses.record_guess(guess, tokens[0])
 
 
 def widened(block: np.ndarray, width: int) -> np.ndarray:

@@ -131,6 +131,13 @@ class MissRuns:
         self.guesses += 1
         self.guesses_right += bool(guess) and guess[0] == token
 
+    def record_guesses(self, guesses: Sequence[Sequence[int] | None], emitted: Sequence[Sequence[int]]) -> None:
+        """``record_guess`` for each row of a step that missed (``guesses``: None where the row had a
+        proposal), against the first token the step ``emitted`` for it (none: a finished row)."""
+        for guess, tokens in zip(guesses, emitted, strict=True):
+            if guess is not None and tokens:
+                self.record_guess(guess, tokens[0])
+
 
 class PromptLookupDrafter:
     """One index per sequence of a session; keep it for the session's lifetime (multi-turn).

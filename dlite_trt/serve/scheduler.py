@@ -498,9 +498,7 @@ class _DLiteNgramCalls(_DLiteCalls):
             row.state["missed"] = not proposal
         guesses = [None if p else r.state["ngram"].guess(r.tokens, 1) for r, p in zip(rows, proposals, strict=True)]
         results = self._lookup_step(rows, view, proposals)
-        for guess, result in zip(guesses, results, strict=True):
-            if guess is not None:
-                self.misses.record_guess(guess, result.tokens[0])
+        self.misses.record_guesses(guesses, [r.tokens for r in results])
         return results
 
     def _lookup_step(self, rows: list[_Row], view: KVCache, proposals: list[list[int]]) -> list[_Result]:
