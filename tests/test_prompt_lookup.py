@@ -13,6 +13,7 @@ from helpers import bigram_draft, draft_config, generator, hf_greedy, near_bigra
 from dlite_trt.errors import DLiteError, EngineError
 from dlite_trt.runtime.prompt_lookup import NgramIndex, PromptLookupConfig, PromptLookupDrafter, fill_padding
 from dlite_trt.runtime.session import SamplingParams
+from dlite_trt.runtime.stats import StageTimer
 
 NEW = 40
 
@@ -147,6 +148,26 @@ def _recording_guesses(monkeypatch) -> list[tuple[int, list[int]]]:
     return made
 
 
+def _recording_graphs(engine, monkeypatch) -> list[str]:
+    """The graph of every engine call from here on; a prefill's calls (``EngineSession._prefill``, by
+    sessions and the server alike) as "prefill:<graph>"."""
+    from dlite_trt.runtime.engine import EngineSession
+
+    calls, infer, prefill, inside = [], engine.runner.infer, EngineSession._prefill, []
+
+    def prefilling(self, graph, feeds):
+        inside.append(True)
+        try:
+            return prefill(self, graph, feeds)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(EngineSession, "_prefill", prefilling)
+    monkeypatch.setattr(engine.runner, "infer", lambda graph, *args: (
+        calls.append(f"prefill:{graph}" if inside else graph), infer(graph, *args))[1])
+    return calls
+
+
 def _right(made: list[tuple[int, list[int]]], sequence: list[int]) -> list[list[int]]:
     return [g for n, g in made if g and sequence[n] == g[0]]
 
@@ -279,11 +300,10 @@ def test_dlite_with_lookup_is_lossless_and_uses_the_lookup(weak_draft_case, veri
     alone = gen.generate(prompts, params)
     session = gen.session(prompts)
     drafter = PromptLookupDrafter(3, PromptLookupConfig(min_ngram=1))
-    graphs, infer = [], engine.runner.infer
-    monkeypatch.setattr(engine.runner, "infer", lambda graph, *args: (graphs.append(graph), infer(graph, *args))[1])
+    graphs = _recording_graphs(engine, monkeypatch)
     looked = session._collect(lambda p, timer: session.stream(p, timer, lookup=drafter), params)
     assert alone.output_ids == want and looked.output_ids == want
-    per_step = [g for g in graphs if g != "prefill"]
+    per_step = [g for g in graphs if not g.startswith("prefill:")]
     assert len(per_step) == len(looked.steps) and {"step", "decode"} <= set(per_step)  # one call per step, both kinds
     running = [sum(d is not None for d in s.draft_tokens) for s in looked.steps]
     assert session.skipped_drafts == sum(n for n, g in zip(running, per_step, strict=True) if g == "decode")
@@ -420,10 +440,14 @@ def _policy(most: int, policy: str):
     return table, MissRuns(1000, int(1000 * after_miss), 1000, int(1000 * after_hit))
 
 
-def _check_policy(policy: str, per_step: list[str], skipped: int) -> None:
+def _check_policy(policy: str, calls: list[str], skipped: int) -> None:
     """Never: no step call follows a decode-graph step (a miss there decodes); after a miss: one does,
     and steps where the lookup proposes still skip the draft; always: no step skips the draft. Every
-    decode-graph step counts the draft as skipped."""
+    decode-graph step counts the draft as skipped. The prefill drafts the first block (the prefill
+    graph) only where drafting at a hit pays (always); else it runs target-only's decode graph."""
+    assert {g for g in calls if g.startswith("prefill:")} == {"prefill:prefill" if policy == "always"
+                                                              else "prefill:decode"}, calls
+    per_step = [g for g in calls if not g.startswith("prefill:")]
     step_after_decode = any(a == "decode" and b == "step" for a, b in zip(per_step, per_step[1:]))
     assert step_after_decode == (policy == "after a miss"), per_step
     assert ("decode" in per_step) == (policy != "always"), per_step
@@ -443,8 +467,7 @@ def test_dlite_ngram_drafts_for_the_next_step_only_where_it_pays(weak_draft_case
     missed_before = misses.repeated + misses.missed_after_hit
     gen = EngineGenerator(engine.runner, engine.manifest, 3, widths=table)
     prompt = _unsettled_prompt(hf)
-    calls, infer = [], engine.runner.infer
-    monkeypatch.setattr(engine.runner, "infer", lambda graph, *args: (calls.append(graph), infer(graph, *args))[1])
+    calls = _recording_graphs(engine, monkeypatch)
     session = gen.session([prompt])
     drafter = PromptLookupDrafter(1, PromptLookupConfig(num_tokens=most))
     drafter.misses = misses
@@ -453,7 +476,7 @@ def test_dlite_ngram_drafts_for_the_next_step_only_where_it_pays(weak_draft_case
     assert misses.after_miss > 1000 and misses.after_hit > 1000  # both kinds of step were counted
     # every miss's 1-gram guess was checked against the target's token, drafted or not
     assert misses.guesses == misses.repeated + misses.missed_after_hit - missed_before > 0
-    _check_policy(policy, [g for g in calls if g != "prefill"], session.skipped_drafts)
+    _check_policy(policy, calls, session.skipped_drafts)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -468,12 +491,32 @@ def test_the_server_drafts_for_the_next_step_only_where_it_pays(weak_draft_case,
     table, misses = _policy(most, policy)
     missed_before = misses.repeated + misses.missed_after_hit
     prompt = _unsettled_prompt(hf)
-    calls, infer = [], engine.runner.infer
-    monkeypatch.setattr(engine.runner, "infer", lambda graph, *args: (calls.append(graph), infer(graph, *args))[1])
+    calls = _recording_graphs(engine, monkeypatch)
     metrics = ServerMetrics(most)
     gen = EngineGenerator(engine.runner, engine.manifest, 3, widths=table)
     assert _served(gen, prompt, misses, metrics=metrics) == hf_greedy(hf, prompt, NEW)
     assert misses.after_miss > 1000 and misses.after_hit > 1000
     assert misses.guesses == misses.repeated + misses.missed_after_hit - missed_before > 0  # every miss's guess
-    _check_policy(policy, [g for g in calls if g != "prefill"],
-                  metrics.registry.get_sample_value("dlite_draft_skipped_total"))
+    _check_policy(policy, calls, metrics.registry.get_sample_value("dlite_draft_skipped_total"))
+
+
+def test_the_bench_shares_dlite_ngrams_lookup_statistics_within_a_workload(weak_draft_case):
+    """`dlite-trt bench` runs each request in its own session; DLite + n-gram's lookup statistics
+    (``MissRuns``: where its draft runs) carry over between the requests of one workload, as the
+    server keeps them over its requests, and start afresh for another workload."""
+    from dlite_trt.bench.methods import Method
+    from dlite_trt.runtime.engine import EngineGenerator
+
+    hf, engine = weak_draft_case
+    gen = EngineGenerator(engine.runner, engine.manifest, 3)
+    method = Method("dlite-ngram", gen)
+    prompt = _unsettled_prompt(hf)
+    first, second, other = (method.start([prompt], w) for w in ("agentic", "agentic", "chat"))
+    assert first.drafter.misses is second.drafter.misses
+    assert other.drafter.misses is not first.drafter.misses
+    before = first.drafter.misses.after_hit + first.drafter.misses.after_miss
+    stream = first.stream(SamplingParams(max_new_tokens=NEW), StageTimer())
+    tokens = [t for event in stream for t in event.new_tokens[0]]
+    assert tokens == hf_greedy(hf, prompt, NEW)
+    assert second.drafter.misses.after_hit + second.drafter.misses.after_miss > before
+    assert other.drafter.misses.after_hit + other.drafter.misses.after_miss == 0

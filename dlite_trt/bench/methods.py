@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dlite_trt.bench.live import Run
 from dlite_trt.bench.names import METHOD_NAMES, METHOD_TITLES, PEER_NAMES, check_names
-from dlite_trt.runtime.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
+from dlite_trt.runtime.prompt_lookup import MissRuns, PromptLookupConfig, PromptLookupDrafter
 from dlite_trt.runtime.session import SamplingParams, SessionBase, StepEvent
 from dlite_trt.runtime.stats import StageTimer
 
@@ -45,9 +45,9 @@ class _DLite(Run):
 
 
 class _Ngram(Run):
-    def __init__(self, session: SessionBase, cfg: PromptLookupConfig) -> None:
+    def __init__(self, session: SessionBase, cfg: PromptLookupConfig, misses: MissRuns | None = None) -> None:
         super().__init__(session)
-        self.drafter = PromptLookupDrafter(session.batch_size, cfg)
+        self.drafter = PromptLookupDrafter(session.batch_size, cfg, misses)
 
     def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
         return self.session.stream_drafted(params, self.drafter, timer)
@@ -63,7 +63,8 @@ class _Ngram(Run):
 class _DLiteLookup(_Ngram):
     """DLite whose step verifies n-gram prompt lookup's proposal instead of the draft's where the
     lookup finds a match (``EngineSession.stream(lookup=...)``); greedy, engine only. It keeps
-    both drafters' state."""
+    both drafters' state; the lookup's statistics that decide where the draft runs (``MissRuns``)
+    carry over from request to request of a workload, as the OpenAI server keeps them server-wide."""
 
     def stream(self, params: SamplingParams, timer: StageTimer) -> Iterator[StepEvent]:
         return self.session.stream(params, timer, lookup=self.drafter)
@@ -77,6 +78,8 @@ class Method:
     name: str
     generator: Any  # an EngineGenerator, or the PyTorch reference SpeculativeGenerator
     ngram: PromptLookupConfig | None = None
+    # DLite + n-gram's lookup statistics per workload (``start``'s ``workload``), shared by its requests
+    misses: dict[str | None, MissRuns] = field(default_factory=dict, compare=False, repr=False)
 
     peer_method = False  # ours: any batch size the engine takes
     exact = True  # its greedy tokens must equal target-only decoding's
@@ -85,14 +88,17 @@ class Method:
     def title(self) -> str:
         return METHOD_TITLES[self.name]
 
-    def start(self, prompts: Sequence[Sequence[int]]) -> Run:
+    def start(self, prompts: Sequence[Sequence[int]], workload: str | None = None) -> Run:
+        """A live batch of ``prompts``; ``workload``: the requests that share DLite + n-gram's lookup
+        statistics (None: those started without one)."""
         session = self.generator.session(prompts)
         if self.name == "ar":
             return _TargetOnly(session)
         if self.name == "ngram":
             return _Ngram(session, self.ngram or PromptLookupConfig())
         if self.name == "dlite-ngram":
-            return _DLiteLookup(session, self.ngram or PromptLookupConfig())
+            misses = self.misses.setdefault(workload, MissRuns())
+            return _DLiteLookup(session, self.ngram or PromptLookupConfig(), misses)
         return _DLite(session)
 
 

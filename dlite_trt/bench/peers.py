@@ -434,7 +434,8 @@ class PeerMethod:
             return False
         return self.peer.weights == "engine" or self.peer.weights == self.source.dtype
 
-    def start(self, prompts: Sequence[Sequence[int]]) -> Run:
+    def start(self, prompts: Sequence[Sequence[int]], workload: str | None = None) -> Run:
+        """A peer's live session of one prompt (``workload``: unused; each peer keeps its own state)."""
         if len(prompts) != 1:
             raise DLiteError(f"peer method {self.name} decodes one sequence at a time, got a batch of {len(prompts)}.")
         self.sessions += 1

@@ -57,7 +57,7 @@ def prepare(workloads: dict[str, Sequence[Task]], tokenizer: Any, max_seq_len: i
 
 def run_task(method: Method, workload: str, p: PreparedTask) -> list[RequestRecord]:
     """All turns of one task (a session) with one method; one record per turn."""
-    run = method.start([list(p.turns[0])])
+    run = method.start([list(p.turns[0])], workload)
     records = []
     for i, (ids, turn) in enumerate(zip(p.turns, p.task.turns, strict=True)):
         if i:

@@ -137,6 +137,15 @@ class EngineGenerator(GeneratorBase):
         return self.widths.drafting_pays(batch, context, UNDRAFTED_WIDTH - 1, misses.rate(after_miss=not hit), hit=hit,
                                          p_guess=misses.guess_rate())
 
+    def drafts_at_prefill(self, batch: int, context: int, misses: Any) -> bool:
+        """Whether a greedy DLite + n-gram prefill of ``batch`` rows (the longest ``context`` tokens
+        after it) runs the prefill graph, drafting the first block, rather than target-only's prefill
+        (``prefill_target``, as n-gram lookup alone prefills). The drafts pay only where the first
+        step's lookup misses, so it is decided as drafting at a step where every row's lookup
+        proposes (``runs_step_graph`` with ``hit``). Always where the prefill graph computes the prompt
+        otherwise (``Manifest.prefill_differs``): target-only's prefill runs it too."""
+        return self.manifest.prefill_differs or self.runs_step_graph(batch, context, misses, hit=True, drafted=False)
+
     def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:
         return EngineSession(self, prompts)
 
@@ -250,7 +259,9 @@ class EngineSession(SessionBase):
         a row without a proposal verifies the lookup's 1-gram guess there, ``_guessed``), keeps the
         target's token (and the guess where right) and drafts again, which at a miss runs only when
         the misses expected to follow gain more than the call costs over a decode call, else the step
-        decodes one token as n-gram lookup alone does. Verification does not care where drafts came from, so the output
+        decodes one token as n-gram lookup alone does. The prefill drafts the first block only where
+        that pays as at a hit (``EngineGenerator.drafts_at_prefill``), else it prefills as n-gram
+        lookup does, without the draft. Verification does not care where drafts came from, so the output
         stays the target's greedy output.
 
         Greedy runs use the ``prefill``/``step`` graphs; sampling runs the ``*_sampling`` ones,
@@ -277,13 +288,20 @@ class EngineSession(SessionBase):
             return {"temperature": temperature} | {name: _host(draw, *shape) for name, shape in names_shapes}
 
         prefix = {"group_prefix": self._group_prefix()} if self.g > 1 else {}
+        # ``block`` holds drafts made from its anchors (not so after a call without the draft)
+        drafted = lookup is None or self.gen.drafts_at_prefill(b, max(map(len, self.tokens)), lookup.misses)
+        carried = {}
         with timer.time("prefill"):
-            out = self._prefill("prefill" + suffix, prefix | random_feeds(("u_anchor", (b,)), ("u_draft", (b, k))))
-        block = out["next_block"]
-        carried = {"draft_logits": out["next_draft_logits"]} if sampling else {}
+            if drafted:
+                out = self._prefill("prefill" + suffix, prefix | random_feeds(("u_anchor", (b,)), ("u_draft", (b, k))))
+                block = out["next_block"]
+                carried = {"draft_logits": out["next_draft_logits"]} if sampling else {}
+            else:  # the anchors alone, as n-gram lookup prefills
+                block = np.array([[t] + [0] * k for t in self._target_first(params, draw)], np.int64)
         yield StepEvent(tuple(self._emit(row, [int(block[row, 0])], params) for row in range(b)), None)
+        if not drafted and self.g > 1:
+            prefix = {"group_prefix": self._group_prefix(anchored=True)}
         engine_before = self.cache.engine_seconds
-        drafted = True  # ``block`` holds drafts made from its anchors (not so after a step without the draft)
         while any(self._active):
             most = min(self.k, self.max_verify_tokens() - 1)  # a skip step verifies on the decode graph
             proposals = None if lookup is None else self._proposals(lookup, most)

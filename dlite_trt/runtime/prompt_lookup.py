@@ -143,11 +143,11 @@ class PromptLookupDrafter:
     """One index per sequence of a session; keep it for the session's lifetime (multi-turn).
     A ``Drafter`` for ``SessionBase.stream_drafted``."""
 
-    def __init__(self, batch: int, cfg: PromptLookupConfig | None = None) -> None:
+    def __init__(self, batch: int, cfg: PromptLookupConfig | None = None, misses: MissRuns | None = None) -> None:
         self.cfg = cfg or PromptLookupConfig()
         self.indexes = [NgramIndex(self.cfg) for _ in range(batch)]
         self.context_tokens = 0  # tokens indexed by ``sync``: the work a new prompt or turn costs
-        self.misses = MissRuns()
+        self.misses = MissRuns() if misses is None else misses  # shared with other drafters where given
         self._missed = [False] * batch  # whether each row's last recorded proposal was empty
 
     def record(self, row: int, proposal: Sequence[int]) -> None:

@@ -420,7 +420,13 @@ class _DLiteCalls:
         (at ``UNDRAFTED_WIDTH``: it has nothing from the draft to verify)."""
         for row in rows:  # a retried row may hold a step's draws: greedy, so nothing of them is lost
             row.draws = {}
-        results = self.decode.verify(rows, view, proposals)
+        results = self._undrafted(rows, self.decode.verify(rows, view, proposals))
+        self.sched.metrics.draft_skipped.inc(len(rows))
+        return results
+
+    def _undrafted(self, rows: list[_Row], results: list[_Result]) -> list[_Result]:
+        """``results`` of a call without the draft, each row's next block its anchor alone (the last
+        token the call emitted) and its group prefix the G - 1 tokens before that."""
         for row, result in zip(rows, results, strict=True):
             block = np.zeros(self.k + 1, np.int64)
             block[0] = result.tokens[-1]
@@ -428,7 +434,6 @@ class _DLiteCalls:
             if self.g > 1:
                 before = [*row.tokens, *result.tokens[:-1]][-(self.g - 1):]
                 result.state["prefix"] = np.array([0] * (self.g - 1 - len(before)) + before, np.int64)
-        self.sched.metrics.draft_skipped.inc(len(rows))
         return results
 
     def _verify_and_draft(self, rows: list[_Row], view: KVCache, block: np.ndarray) -> list[_Result]:
@@ -484,7 +489,13 @@ class _DLiteNgramCalls(_DLiteCalls):
         self.misses = MissRuns()
 
     def prefill(self, rows: list[_Row], view: KVCache) -> list[_Result]:
-        results = super().prefill(rows, view)
+        """DLite's prefill, or (greedy rows, where drafting the first block does not pay:
+        ``EngineGenerator.drafts_at_prefill``) target-only's, as n-gram lookup prefills."""
+        if any(r.sampling for r in rows) or self.sched.generator.drafts_at_prefill(
+                len(rows), max(len(r.tokens) for r in rows), self.misses):
+            results = super().prefill(rows, view)
+        else:
+            results = self._undrafted(rows, self.decode.prefill(rows, view))
         for result in results:
             result.state |= {"ngram": NgramIndex(self.decode.lookup), "missed": False}
         return results
