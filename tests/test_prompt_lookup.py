@@ -155,10 +155,10 @@ def _recording_graphs(engine, monkeypatch) -> list[str]:
 
     calls, infer, prefill, inside = [], engine.runner.infer, EngineSession._prefill, []
 
-    def prefilling(self, graph, feeds):
+    def prefilling(self, graph, feeds, **options):
         inside.append(True)
         try:
-            return prefill(self, graph, feeds)
+            return prefill(self, graph, feeds, **options)
         finally:
             inside.pop()
 
@@ -443,10 +443,12 @@ def _policy(most: int, policy: str):
 def _check_policy(policy: str, calls: list[str], skipped: int) -> None:
     """Never: no step call follows a decode-graph step (a miss there decodes); after a miss: one does,
     and steps where the lookup proposes still skip the draft; always: no step skips the draft. Every
-    decode-graph step counts the draft as skipped. The prefill drafts the first block (the prefill
-    graph) only where drafting at a hit pays (always); else it runs target-only's decode graph."""
-    assert {g for g in calls if g.startswith("prefill:")} == {"prefill:prefill" if policy == "always"
-                                                              else "prefill:decode"}, calls
+    decode-graph step counts the draft as skipped. The prefill drafts the first block (its last chunk
+    on the prefill graph) only where drafting at a hit pays (always); else it runs target-only's
+    decode graph; the chunks before the last run the decode graph either way (no draft)."""
+    prefills = [g for g in calls if g.startswith("prefill:")]
+    assert len(prefills) > 1 and set(prefills[:-1]) == {"prefill:decode"}, prefills  # the prompt spans chunks
+    assert prefills[-1] == ("prefill:prefill" if policy == "always" else "prefill:decode"), prefills
     per_step = [g for g in calls if not g.startswith("prefill:")]
     step_after_decode = any(a == "decode" and b == "step" for a, b in zip(per_step, per_step[1:]))
     assert step_after_decode == (policy == "after a miss"), per_step

@@ -230,15 +230,23 @@ class EngineSession(SessionBase):
     def _store(self, out: dict[str, Any], start: list[int], count: list[int]) -> None:
         self.cache.store(out, start, count)
 
-    def _prefill(self, graph: str, feeds: dict[str, Any]) -> dict[str, Any]:
+    def _prefill(self, graph: str, feeds: dict[str, Any], *, lead: bool = False) -> dict[str, Any]:
+        """The uncached suffixes through ``graph`` with ``feeds``, chunk by chunk; returns the last
+        chunk's outputs. ``lead``: every chunk but the last runs the greedy decode graph, which
+        computes the same target without the draft a prefill graph runs at each chunk (only the last
+        chunk's drafts serve); where the engine's prefill graph computes the prompt otherwise
+        (``Manifest.prefill_differs``) every chunk stays on ``graph``."""
         out = {}
-        for chunk in self._chunks():
-            call = {"input_ids": chunk.ids, "past_len": chunk.past_len, **feeds}
-            if not graph.startswith("decode"):  # prefill, prefill_sampling
+        chunks = list(self._chunks())
+        lead = lead and not self.gen.manifest.prefill_differs
+        for j, chunk in enumerate(chunks):
+            name = "decode" if lead and j < len(chunks) - 1 else graph
+            call = {"input_ids": chunk.ids, "past_len": chunk.past_len, **(feeds if name == graph else {})}
+            if not name.startswith("decode"):  # prefill, prefill_sampling
                 call["chunk_len"] = chunk.chunk_len
             else:
                 call["output_index"] = (chunk.chunk_len - 1)[:, None]
-            out = self._call(graph, call, chunk.past_len.tolist(), chunk.count)
+            out = self._call(name, call, chunk.past_len.tolist(), chunk.count)
         self.cache_len = [len(t) for t in self.tokens]
         return out
 
@@ -293,7 +301,8 @@ class EngineSession(SessionBase):
         carried = {}
         with timer.time("prefill"):
             if drafted:
-                out = self._prefill("prefill" + suffix, prefix | random_feeds(("u_anchor", (b,)), ("u_draft", (b, k))))
+                out = self._prefill("prefill" + suffix, prefix | random_feeds(("u_anchor", (b,)), ("u_draft", (b, k))),
+                                    lead=lookup is not None)  # its decode graph runs anyway
                 block = out["next_block"]
                 carried = {"draft_logits": out["next_draft_logits"]} if sampling else {}
             else:  # the anchors alone, as n-gram lookup prefills
