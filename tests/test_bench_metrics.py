@@ -176,3 +176,18 @@ def test_mismatches_are_counted():
     longer = [record("a", 0, [[1, 2, 7]]), record("a", 1, [[3]]), record("b", 0, [[4, 6]])]
     assert _mismatches(longer, baseline, exact=False)["divergence_index"] == {"a/turn 0": 2, "b/turn 0": 1}
     assert _mismatches(off, None)["mismatches"] is None
+
+
+def test_each_method_starts_a_round_and_follows_others_in_turn():
+    """The bench's rounds: every method once per task, each starting one task in turn, and the
+    method before another one changes between consecutive tasks (forward, then backward)."""
+    from dlite_trt.bench.run import round_order
+
+    methods = ["ar", "dlite", "ngram", "dlite-ngram", "hf"]
+    orders = [round_order(methods, i) for i in range(len(methods))]
+    assert all(sorted(o) == sorted(methods) for o in orders)
+    assert [o[0] for o in orders] == methods
+    before = [{b: a for a, b in zip(o, o[1:])} for o in orders]
+    assert before[0]["dlite-ngram"] == "ngram" and before[1]["dlite-ngram"] == "hf"
+    for now, then in zip(before, before[1:]):  # consecutive tasks: another method before each
+        assert all(now[m] != then[m] for m in methods if m in now and m in then), (now, then)
