@@ -174,12 +174,14 @@ def test_the_draft_training_script_runs_end_to_end(tmp_path, gguf_path):
     other = subprocess.run([*command, "--out", str(tmp_path / "other"), "--until", "corpus", "--seed", "1"],
                            capture_output=True, text=True, timeout=300)
     assert other.returncode == 1 and "other settings" in other.stderr
-    # the corpus read, not built (as on the GPU machine), and the teacher-forced curve of the snapshots
+    # the corpus read, not built (as on the GPU machine), trained in bf16, and the teacher-forced curve of the snapshots
     elsewhere = [sys.executable, str(root / "build_scripts" / "train_smollm2_draft.py"), "--budget", "smoke",
                  "--work", str(tmp_path / "elsewhere"), "--corpus-from", str(tmp_path / "work" / "corpus"),
-                 "--steps", "4", "--until", "curve"]
+                 "--steps", "4", "--until", "curve", "--bf16"]
     proc = subprocess.run(elsewhere, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "corpus: the allow-list" not in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "elsewhere" / "recipe.json").read_text())["bf16"] is True
+    assert json.loads((tmp_path / "elsewhere" / "student" / "training.json").read_text())["plan"]["bf16"] is True
     tf_curve = json.loads((tmp_path / "elsewhere" / "teacher_forced_curve.json").read_text())
     assert [c["step"] for c in tf_curve] == [2, 4] and not (tmp_path / "elsewhere" / "corpus").exists()
     assert all(1.0 <= c[name] <= 8.0 for c in tf_curve for name in report["student"])

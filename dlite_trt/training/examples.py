@@ -56,7 +56,8 @@ class DraftExamples(NamedTuple):
 
 @torch.no_grad()
 def target_states(target: TargetAdapter, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden states [B, L, S, H] (the draft's layers) and logits [B, L, V] at every position."""
+    """Hidden states [B, L, S, H] (the draft's layers) and logits [B, L, V] at every position, fp32
+    whatever the target's dtype (a bf16 copy of the target, for speed, gives fp32 training inputs)."""
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, L], got {tuple(tokens.shape)}")
     spec = target.spec
@@ -65,7 +66,7 @@ def target_states(target: TargetAdapter, tokens: torch.Tensor) -> tuple[torch.Te
     empty = tokens.new_zeros((spec.num_hidden_layers, b, spec.num_key_value_heads, 0, spec.head_dim),
                              dtype=target.embed_weight.dtype)
     out = target(tokens, positions, empty, empty, tokens.new_zeros(b), positions)
-    return out.hidden, out.logits
+    return out.hidden.float(), out.logits.float()
 
 
 def draft_examples(tokens: torch.Tensor, hidden: torch.Tensor, target: torch.Tensor | TargetTopK, anchors: torch.Tensor,

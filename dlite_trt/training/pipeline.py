@@ -180,7 +180,7 @@ def train_teacher(target: TargetAdapter, data: TrainingData, init: DLiteDraft, o
     """Train the history-aware teacher (initialised from ``init``'s weights); saved under ``out``."""
     teacher = HistoryAwareTeacher(init.cfg, window)
     teacher.draft.load_state_dict(init.state_dict())
-    embed = target.embed_weight.detach()
+    embed = target.embed_weight.detach().float()
     source = BatchSource(target, data, init, batches, window)
     _run(teacher.train(), lambda m, ex: teacher_loss(m, ex, embed, weights), source, settings, out / "teacher-run",
          "teacher", progress)
@@ -211,6 +211,7 @@ class StudentPlan:
     lr: float = 3e-4
     snapshot_every: int = 0  # > 0: keep stage 2's weights every this many steps (a training-steps curve)
     checkpoint_every: int = 100  # resumable state every this many steps
+    bf16: bool = False  # the draft's forward under bf16 autocast (TrainSettings.bf16)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -223,7 +224,7 @@ def train_student(target: TargetAdapter, data: TrainingData, student: DLiteDraft
     target); the result is a dlite_v1 checkpoint in ``out``. Each stage's resumable state goes
     under ``runs`` (default: ``out``)."""
     runs = out if runs is None else runs
-    embed = target.embed_weight.detach()
+    embed = target.embed_weight.detach().float()
     if plan.stage1_steps:
         if teacher is None:
             raise ConfigError("stage 1 needs a teacher; pass one, or train single-stage (stage1_steps = 0)")
@@ -232,13 +233,14 @@ def train_student(target: TargetAdapter, data: TrainingData, student: DLiteDraft
         adopt_teacher_head(student, teacher)
         source = BatchSource(target, data, student, batches, teacher.window)
         _run(student.train(), lambda m, ex: stage1_loss(m, teacher, ex, embed, weights), source,
-             TrainSettings(steps=plan.stage1_steps, lr=plan.lr, checkpoint_every=plan.checkpoint_every),
+             TrainSettings(steps=plan.stage1_steps, lr=plan.lr, checkpoint_every=plan.checkpoint_every, bf16=plan.bf16),
              runs / "stage1-run", "stage 1", progress)
         release_head(student)  # the transition: everything trains again, now against the target
     source = BatchSource(target, data, student, batches)
     _run(student.train(), lambda m, ex: stage2_loss(m, ex, embed, weights), source,
          TrainSettings(steps=plan.stage2_steps, lr=plan.lr, snapshot_every=plan.snapshot_every,
-                       checkpoint_every=plan.checkpoint_every), runs / "stage2-run", "stage 2", progress)
+                       checkpoint_every=plan.checkpoint_every, bf16=plan.bf16), runs / "stage2-run", "stage 2",
+         progress)
     if _main_process():  # every replica holds the same weights; one writes them
         save_draft(student.eval(), out)
         (out / "training.json").write_text(json.dumps({"plan": plan.to_dict(), "batches": asdict(batches),

@@ -36,6 +36,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     checkpoint_every: int = 100  # 0: only at the end
     snapshot_every: int = 0  # > 0: also keep the module's weights every this many steps (snapshot-STEP.safetensors)
+    bf16: bool = False  # the loss's forward under bf16 autocast (weights, gradients and optimizer stay fp32)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.lr <= 0 or self.warmup_steps < 0 or self.checkpoint_every < 0 or \
@@ -80,7 +81,8 @@ def train(module: nn.Module, loss_fn: Callable[[nn.Module, object], dict[str, to
         for group in optimizer.param_groups:
             group["lr"] = settings.lr_at(step)
         batch = batch_fn(step, rank, world)
-        terms = model(batch)
+        with torch.autocast(params[0].device.type, torch.bfloat16, enabled=settings.bf16):
+            terms = model(batch)
         optimizer.zero_grad(set_to_none=True)
         terms["loss"].backward()
         if settings.grad_clip > 0:
