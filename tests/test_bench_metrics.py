@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dlite_trt.bench.metrics import RequestRecord, add_speedups, measure, paired_rounds, summarize
-from dlite_trt.bench.report import goals
+from dlite_trt.bench.report import goals, target_phrases
 from dlite_trt.bench.run import _mismatches
 from dlite_trt.runtime.session import StepEvent
 from dlite_trt.runtime.stats import StepRecord
@@ -191,3 +191,13 @@ def test_each_method_starts_a_round_and_follows_others_in_turn():
     assert before[0]["dlite-ngram"] == "ngram" and before[1]["dlite-ngram"] == "hf"
     for now, then in zip(before, before[1:]):  # consecutive tasks: another method before each
         assert all(now[m] != then[m] for m in methods if m in now and m in then), (now, then)
+
+
+def test_goals_on_the_same_ratio_print_it_once_with_each_need():
+    targets = {"over_ngram": {"fastest": "ngram", "ratio": 1.46, "need": 1.3, "met": True, "decode_phase_ratio": 1.5},
+               "at_least_ngram": {"fastest": "ngram", "ratio": 1.46, "need": 1.0, "met": None},
+               "over_ar": {"fastest": "ar", "ratio": 1.9, "need": 2.0, "met": False}}
+    phrases = target_phrases(targets)
+    assert phrases.count("1.46x") == 1 and phrases.count("1.90x") == 1
+    assert "(need 1.3: met; need 1.0: not judged" in phrases and "decode phase 1.50x)" in phrases
+    assert "(need 2.0: NOT met)" in phrases
