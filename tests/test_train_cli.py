@@ -81,7 +81,10 @@ def learnable(tmp_path_factory):
         "--stage1-steps", "20", "--stage2-steps", "20")
     run("train", "student", *common, "--out", root / "single", "--single-stage", "--stage1-steps", "0",
         "--stage2-steps", "40")
-    return hf, root / "target", untrained, held_out, {name: root / name for name in ("student", "single")}
+    run("train", "student", *common, "--out", root / "single-bf16", "--single-stage", "--stage1-steps", "0",
+        "--stage2-steps", "40", "--bf16")  # a bf16 copy of the target, the draft's products in bf16
+    return hf, root / "target", untrained, held_out, {name: root / name
+                                                      for name in ("student", "single", "single-bf16")}
 
 
 def test_data_is_the_targets_own_greedy_output(trained):
@@ -95,8 +98,8 @@ def test_data_is_the_targets_own_greedy_output(trained):
 
 def test_student_is_a_loadable_lossless_dlite_v1_checkpoint(trained, learnable):
     """Loadable, changed by training and lossless on the tiny pair; and where the target is
-    learnable, trained students accept far more per step than any untrained draft of their
-    config on held-out prompts, still losslessly (so accepted drafts were verified)."""
+    learnable, trained students (in bf16 too) accept far more per step than any untrained draft of
+    their config on held-out prompts, still losslessly (so accepted drafts were verified)."""
     hf, learn_target, untrained, held_out, students = learnable
     want = [hf_greedy(hf, p, LEARN_NEW) for p in held_out]
 
@@ -111,6 +114,7 @@ def test_student_is_a_loadable_lossless_dlite_v1_checkpoint(trained, learnable):
     for name, student in students.items():
         gained = acceptance(student)
         assert gained >= max(baseline + 1.5, 2 * baseline), (name, gained, baseline)
+        assert json.loads((student / "training.json").read_text())["plan"]["bf16"] is name.endswith("bf16")
 
     target, draft, root, _, _ = trained
     for name in ("student", "single"):
@@ -123,7 +127,8 @@ def test_student_is_a_loadable_lossless_dlite_v1_checkpoint(trained, learnable):
         out = pair.generator.generate([prompt], SamplingParams(max_new_tokens=20)).output_ids[0]
         assert out == hf_greedy(target, prompt, 20)
     plan = json.loads((root / "single" / "training.json").read_text())["plan"]
-    assert plan == {"stage1_steps": 0, "stage2_steps": 4, "lr": 3e-4, "snapshot_every": 0, "checkpoint_every": 100}
+    assert plan == {"stage1_steps": 0, "stage2_steps": 4, "lr": 3e-4, "snapshot_every": 0, "checkpoint_every": 100,
+                    "bf16": False}
 
 
 def test_rerun_resumes_and_changes_nothing(trained):
