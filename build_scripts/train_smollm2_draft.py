@@ -302,7 +302,7 @@ def label_precision(adapter, mix, windows: int, seq_len: int, seed: int) -> dict
                    "measured and recorded).")
 @click.option("--bf16", is_flag=True,
               help="Train with the target's pass in bf16 (a bf16 copy of its weights) and the draft's forward under "
-                   "bf16 autocast: about 1.5x a step on a CPU with AMX; labels differ from fp32's at near-ties. The "
+                   "bf16 autocast: about 1.7x a step on a CPU with AMX; labels differ from fp32's at near-ties. The "
                    "measurements still run the fp32 target.")
 @click.option("--corpus-from", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
               help="A corpus this recipe built elsewhere (WORK/corpus of a run stopped with --until corpus, with "

@@ -83,7 +83,7 @@ def _common(f):
         click.option("--quiet", is_flag=True, help="No progress display."),
         click.option("--bf16", is_flag=True,
                      help="The target's pass in bf16 (a bf16 copy of its weights) and the draft's forward under bf16 "
-                          "autocast (fp32 master weights): about 1.5x a step on a CPU with AMX (docs/training.md); "
+                          "autocast (fp32 master weights): about 1.7x a step on a CPU with AMX (docs/training.md); "
                           "the labels differ from fp32's at near-ties (about 2% of positions). The draft is saved "
                           "as always."),
     ]):
