@@ -482,7 +482,8 @@ def test_the_servers_own_baselines(engine, oracle, code, method):
             assert m['dlite_engine_calls_total{graph="step"}'] > 0 and m['dlite_engine_calls_total{graph="decode"}'] > 0
             # batches of one, each prompt one chunk: two prefill calls (on the prefill graph, or on the decode
             # graph where drafting the first block does not pay), every other decode call a step that skipped the draft
-            calls = m['dlite_engine_calls_total{graph="decode"}'] + m.get('dlite_engine_calls_total{graph="prefill"}', 0)
+            calls = (m['dlite_engine_calls_total{graph="decode"}']
+                     + m.get('dlite_engine_calls_total{graph="prefill"}', 0))
             assert m["dlite_draft_skipped_total"] > 0
             assert m["dlite_draft_skipped_total"] == calls - 2
     finally:
