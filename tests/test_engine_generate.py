@@ -119,6 +119,29 @@ def test_sampling_is_seeded_and_matches_the_reference(bigram_case):
     assert first.output_ids == generator(hf, spec, draft).generate(prompts, params).output_ids
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_a_prefill_runs_its_leading_chunks_on_the_decode_graph_once_it_is_loaded(bigram_case, temperature):
+    """Only the last chunk's drafts serve, so a prompt's leading chunks run the decode graph where it
+    is loaded (the server and the bench preload it), and the prefill graph, drafting, where it is not
+    (a prefill does not load it: a second copy of the weights). The tokens are the same either way:
+    target-only greedy's, or the same seeded sample."""
+    hf, _, _, engine = bigram_case
+    fresh = open_engine(engine.runner.engine_dir, preload=("prefill", "step"))
+    calls, infer = [], fresh.runner.infer
+    fresh.runner.infer = lambda graph, *args: (calls.append(graph), infer(graph, *args))[1]
+    prompt = _prompts(13, (21,), 64)  # three chunks of at most 8
+    params = SamplingParams(max_new_tokens=NEW, temperature=temperature, seed=5)
+    suffix = "_sampling" if temperature else ""
+    without = fresh.generate(prompt, params).output_ids
+    assert calls[:3] == ["prefill" + suffix] * 3 and not fresh.runner.loaded("decode"), calls
+    fresh.runner.activate(("decode",))
+    calls.clear()
+    assert fresh.generate(prompt, params).output_ids == without
+    assert calls[:3] == ["decode", "decode", "prefill" + suffix], calls
+    if not temperature:
+        assert without == [hf_greedy(hf, prompt[0], NEW)]
+
+
 def test_plain_random_target_full_strength(tmp_path):
     """A target whose attention matters at full strength, G=2, prompts of 1 and 30 tokens."""
     hf, spec = make_target(300, seed=4, num_hidden_layers=5, hidden_size=96)

@@ -522,3 +522,17 @@ def test_the_bench_shares_dlite_ngrams_lookup_statistics_within_a_workload(weak_
     assert tokens == hf_greedy(hf, prompt, NEW)
     assert second.drafter.misses.after_hit + second.drafter.misses.after_miss > before
     assert other.drafter.misses.after_hit + other.drafter.misses.after_miss == 0
+
+
+def test_the_servers_dlite_prefill_runs_its_leading_chunks_on_the_decode_graph(weak_draft_case, monkeypatch):
+    """The server preloads the decode graph: plain DLite's prefill (`--speculative dlite`) runs a
+    prompt's chunks before the last there, without the draft (only the last chunk's drafts serve).
+    Output: target-only greedy."""
+    from dlite_trt.runtime.engine import open_engine
+
+    hf, engine = weak_draft_case
+    gen = open_engine(engine.runner.engine_dir, preload=("prefill", "step", "decode"))
+    calls = _recording_graphs(gen, monkeypatch)
+    prompt = _prompts(31, (21,))[0]  # three chunks of at most 8
+    assert _served(gen, prompt, speculative="dlite") == hf_greedy(hf, prompt, NEW)
+    assert [g for g in calls if g.startswith("prefill:")] == ["prefill:decode", "prefill:decode", "prefill:prefill"]

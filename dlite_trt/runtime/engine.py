@@ -146,6 +146,14 @@ class EngineGenerator(GeneratorBase):
         otherwise (``Manifest.prefill_differs``): target-only's prefill runs it too."""
         return self.manifest.prefill_differs or self.runs_step_graph(batch, context, misses, hit=True, drafted=False)
 
+    def leads_on_decode(self, lookup: bool) -> bool:
+        """Whether a prefill runs the prompt's chunks before the last on the decode graph
+        (``EngineSession._prefill``'s ``lead``), without the draft the prefill graph runs at every
+        chunk, of which only the last chunk's drafts serve: where that graph runs anyway (n-gram
+        ``lookup``) or is loaded already (the server's, the bench's). It is not loaded for this alone:
+        each ONNX Runtime session holds its own copy of the weights."""
+        return lookup or self.runner.loaded("decode")
+
     def session(self, prompts: Sequence[Sequence[int]]) -> EngineSession:
         return EngineSession(self, prompts)
 
@@ -302,7 +310,7 @@ class EngineSession(SessionBase):
         with timer.time("prefill"):
             if drafted:
                 out = self._prefill("prefill" + suffix, prefix | random_feeds(("u_anchor", (b,)), ("u_draft", (b, k))),
-                                    lead=lookup is not None)  # its decode graph runs anyway
+                                    lead=self.gen.leads_on_decode(lookup is not None))
                 block = out["next_block"]
                 carried = {"draft_logits": out["next_draft_logits"]} if sampling else {}
             else:  # the anchors alone, as n-gram lookup prefills

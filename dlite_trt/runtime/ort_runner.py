@@ -66,6 +66,9 @@ class OrtRunner(RunnerBase):
     def _load(self, name: str) -> Any:
         return self._session(name)
 
+    def loaded(self, graph: str) -> bool:
+        return graph in self.sessions
+
     def _session(self, name: str) -> Any:
         session = self.sessions.get(name)
         if session is not None:

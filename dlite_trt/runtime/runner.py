@@ -1,7 +1,7 @@
 """What every engine runner shares (Polygraphy-style lifecycle): ``activate(graphs)`` loads
 graphs up front (the rest load on first use), ``deactivate()`` drops them, and a ``with`` block
-does both. A runner implements ``_load(graph)`` (cached), ``deactivate``, ``new_cache`` and
-``infer(graph, feeds, cache)``."""
+does both. A runner implements ``_load(graph)`` (cached), ``loaded(graph)``, ``deactivate``,
+``new_cache`` and ``infer(graph, feeds, cache)``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ from typing import Any, Self
 
 class RunnerBase:
     def _load(self, graph: str) -> Any:
+        raise NotImplementedError
+
+    def loaded(self, graph: str) -> bool:
+        """Whether ``graph`` is loaded (a call of it loads nothing)."""
         raise NotImplementedError
 
     def deactivate(self) -> None:

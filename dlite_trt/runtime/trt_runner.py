@@ -59,6 +59,9 @@ class TrtRunner(RunnerBase):
     def _load(self, name: str) -> Any:
         return self._context(name)
 
+    def loaded(self, graph: str) -> bool:
+        return graph in self.contexts
+
     def deactivate(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()

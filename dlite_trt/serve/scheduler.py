@@ -389,8 +389,8 @@ class _DLiteCalls:
         feeds = {"group_prefix": session._group_prefix()} if self.g > 1 else {}
         if sampling:
             feeds |= _stacked(rows, ("u_anchor", "u_draft")) | {"temperature": _temperatures(rows)}
-        # with n-gram lookup its decode graph runs anyway: the prompt's leading chunks go there, without the draft
-        out = session._prefill("prefill" + SAMPLING_SUFFIX * sampling, feeds, lead=self.decode.lookup is not None)
+        out = session._prefill("prefill" + SAMPLING_SUFFIX * sampling, feeds,
+                               lead=self.sched.generator.leads_on_decode(self.decode.lookup is not None))
         out = _outputs(out)
         results, logits = [], _host(out.get("next_draft_logits"))
         for i, row in enumerate(rows):
