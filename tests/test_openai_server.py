@@ -261,7 +261,14 @@ def test_seeded_sampling_is_reproducible_with_reuse_and_in_a_mixed_batch(server,
 
 
 BAD = [  # (body or raw text, status, fragment of the message, param)
-    ({"model": MODEL, "prompt": [5, 6], "max_tokens": -1}, 400, "greater than or equal to 0", "max_tokens"),
+    ({"model": MODEL, "prompt": [5, 6], "max_tokens": -1}, 400, "greater than or equal to 1", "max_tokens"),
+    ({"model": MODEL, "prompt": [5, 6], "max_tokens": 0}, 400, "greater than or equal to 1", "max_tokens"),
+    ({"model": MODEL, "prompt": [5, 6], "temperature": 2.5}, 400, "less than or equal to 2", "temperature"),
+    ({"model": MODEL, "prompt": [5, 6], "top_k": 40}, 400, "set it to -1", "top_k"),
+    ({"model": MODEL, "prompt": [5, 6], "repetition_penalty": 1.2}, 400, "set it to 1", "repetition_penalty"),
+    ({"model": MODEL, "prompt": [5, 6], "min_tokens": 3}, 400, "ignore_eos", "min_tokens"),
+    ({"model": MODEL, "prompt": [5, 6], "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "include_usage", "stream_options.continuous_usage_stats"),
     ({"model": MODEL, "prompt": [5, 6], "temperature": -0.5}, 400, "greater than or equal to 0", "temperature"),
     ({"model": MODEL, "prompt": [5] * (MAX_SEQ_LEN - 4), "max_tokens": 16}, 400, "--max-seq-len", "max_tokens"),
     ({"model": MODEL, "prompt": [5] * (MAX_SEQ_LEN + 4)}, 400, "shorten it", "prompt"),
@@ -308,6 +315,67 @@ def test_fields_clients_echo_back_are_taken(server, oracle):
     assert r["choices"][0]["token_ids"] == greedy(list(prompt), 12)
 
 
+def test_what_openai_and_vllm_clients_send_is_taken(server, oracle):
+    """Newer OpenAI parameters that change nothing here, vLLM's extensions at their no-op values
+    and chat_template_kwargs: the answer is target-only greedy's of the rendered prompt. OpenAI's
+    developer role renders as the template's system role; continue_final_message continues the
+    assistant's message; a completion without max_tokens runs 16 tokens (OpenAI's default)."""
+    greedy, tok = oracle
+
+    def chat(messages, **extra):
+        status, r = server.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
+                                                         "temperature": 0, "return_token_ids": True, **extra})
+        assert status == 200, r
+        assert r["choices"][0]["token_ids"] == greedy(r["prompt_token_ids"], 8)
+        return r["prompt_token_ids"]
+
+    ask = [{"role": "user", "content": "Write a loop."}]
+    assert chat(ask, prompt_cache_key="k", prompt_cache_retention="24h", safety_identifier="u1", verbosity="low",
+                top_k=-1, min_p=0.0, repetition_penalty=1.0, min_tokens=0, chat_template_kwargs={"enable_thinking": 0},
+                add_generation_prompt=True) == tok.apply_chat_template(ask, add_generation_prompt=True, tokenize=True,
+                                                                       return_dict=False)
+    terse = [{"role": "system", "content": "Be terse."}, *ask]
+    assert chat([{"role": "developer", "content": "Be terse."}, *ask]) == tok.apply_chat_template(
+        terse, add_generation_prompt=True, tokenize=True, return_dict=False)
+    started = [*ask, {"role": "assistant", "content": "for i in"}]
+    assert chat(started, add_generation_prompt=False, continue_final_message=True) == tok.apply_chat_template(
+        started, continue_final_message=True, tokenize=True, return_dict=False)
+    r = server.client.completions.create(model=MODEL, prompt=[9, 8, 7], temperature=0,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].model_extra["token_ids"] == greedy([9, 8, 7], 16)
+    assert server.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("gpt-4")
+
+
+def test_a_body_that_is_not_a_json_object_says_so(server):
+    """Sent without the JSON Content-Type (curl -d), or empty: the error names the fix."""
+    for data, headers in [(json.dumps({"model": MODEL, "prompt": [5]}).encode(),
+                           {"Content-Type": "application/x-www-form-urlencoded"}), (b"", {})]:
+        req = urllib.request.Request(server.url + "/v1/completions", data=data, method="POST", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=60)
+        assert err.value.code == 400
+        assert "Content-Type: application/json" in json.loads(err.value.read())["error"]["message"]
+
+
+def test_an_api_key_guards_the_v1_routes(engine, oracle):
+    """--api-key (vLLM's): the openai client with another key or none gets 401, with it the answer;
+    /health stays open."""
+    greedy, _ = oracle
+    server = Server(engine, "--api-key", "s3cret")
+    try:
+        for key in ("wrong", "unused"):
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+            with pytest.raises(openai.AuthenticationError, match="--api-key"):
+                client.models.list()
+        assert server.get("/health")[0] == 200
+        server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0, timeout=120)
+        assert _complete(server, [9, 8, 7], 6)[0] == greedy([9, 8, 7], 6)
+    finally:
+        server.stop()
+
+
 def test_chat_errors(server):
     for body, fragment, param in [
             ({"model": MODEL, "messages": []}, "at least 1 item", "messages"),
@@ -315,7 +383,19 @@ def test_chat_errors(server):
             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
              "tools.0.function: required", "tools.0.function"),
             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
-             "greater than or equal to 0", "max_completion_tokens"),
+             "greater than or equal to 1", "max_completion_tokens"),
+            ({"model": MODEL, "messages": [{"role": "user", "content": None}]}, "needs content", "messages.0.content"),
+            ({"model": MODEL, "messages": [{"role": "user"}]}, "needs content", "messages.0.content"),
+            ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}},
+             "may not set tools", "chat_template_kwargs"),
+            ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+             "must be an assistant message", "continue_final_message"),
+            ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "web_search_options": {}},
+             "web search", "web_search_options"),
+            # a history of calls where the engine's template renders none: not dropped silently
+            ({"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}, "--chat-template", "messages"),
             ({"model": MODEL, "messages": [{"role": "assistant", "content": None,
                                             "tool_calls": [{"id": "1", "type": "function"}]}]},
              "messages.0.tool_calls.0.function: required", "messages.0.tool_calls.0.function")]:

@@ -107,3 +107,49 @@ def test_the_registry():
     assert set(PARSERS) == {"hermes", "llama3_json"}
     for name, parser in PARSERS.items():
         assert parser.name == name and parser.models
+
+
+def test_a_forced_call_is_calls_only_and_never_shows_the_servers_opening():
+    """tool_choice required or a named function: the output continues the server's call opening. A
+    call that parses is the whole message (what follows it dropped, content None, as OpenAI's); one
+    that does not leaves the output as the model wrote it, without the opening. Streamed: the same
+    message, and the events add up to it."""
+    from dlite_trt.serve.openai_server import ToolUse
+
+    parser = Hermes()
+    for opening in (parser.opening(None), parser.opening("get_weather")):
+        use = ToolUse(parser, opening, single=False)
+        named = opening.endswith(": ")
+        good = ('{"city": "Paris"}}' if named else 'get_weather", "arguments": {"city": "Paris"}}') + \
+            "\n</tool_call>\n\nThe weather in Paris is Paris."
+        bad = '{\n "type": ' if named else 'Paris", "arguments": {\n "type": '
+        for text, calls, content in [(good, [("get_weather", {"city": "Paris"})], None), (bad, [], bad)]:
+            message = use.message(text)
+            assert [(c.name, json.loads(c.arguments)) for c in message.calls] == calls
+            assert message.content == content
+            stream, events = ToolCallStream(parser, opening), []
+            for end in range(1, len(text) + 1):
+                events += stream.add(text[:end])
+            rest, streamed = stream.finish(text)
+            events += rest
+            assert [(c.name, json.loads(c.arguments)) for c in streamed.calls] == calls
+            assert streamed.content == content
+            assert "".join(e[1] for e in events if e[0] == "content") == (content or "")
+            assert [e[2].name for e in events if e[0] == "call"] == [name for name, _ in calls]
+
+
+def test_a_calls_arguments_are_taken_as_clients_send_them():
+    """A history's call arguments as OpenAI's JSON text, as an object (vLLM takes it), or "" (what
+    streaming accumulators leave for a call without arguments): rendered as the same object."""
+    from dlite_trt.serve.openai_protocol import ChatCompletionRequest
+
+    def rendered(arguments):
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]})
+        assert body.unsupported() == []
+        return body.messages[1].for_template()["tool_calls"][0]["function"]["arguments"]
+
+    assert rendered('{"a": [1, "é"]}') == rendered({"a": [1, "é"]}) == {"a": [1, "é"]}
+    assert rendered("") == rendered("{}") == {}

@@ -22,7 +22,7 @@ from dlite_trt.serve.tool_parsers import PARSERS as TOOL_PARSERS
 TRITON_ONLY = ("grpc_port", "metrics_port", "instances", "max_batch", "repo")
 OPENAI_ONLY = ("served_model_name", "speculative", "verify_drafts", "kv_cache_gb", "prefix_cache", "max_queue",
                "default_temperature", "max_body_mb", "max_prompt_chars", "max_stops", "max_stop_chars",
-               "shutdown_timeout", "enable_auto_tool_choice", "tool_call_parser", "chat_template")
+               "shutdown_timeout", "enable_auto_tool_choice", "tool_call_parser", "chat_template", "api_key")
 
 
 @click.command("serve")
@@ -56,6 +56,9 @@ OPENAI_ONLY = ("served_model_name", "speculative", "verify_drafts", "kv_cache_gb
               help="Longest stop string (characters). (openai)")
 @click.option("--shutdown-timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.0),
               help="Seconds requests in flight get to finish after Ctrl-C; meanwhile new ones get 503. (openai)")
+@click.option("--api-key", envvar="DLITE_TRT_API_KEY", show_envvar=True,
+              help="Answer /v1 requests only with the header Authorization: Bearer KEY (vLLM's --api-key); "
+                   "/health and /metrics stay open. (openai)")
 @click.option("--tool-call-parser", type=click.Choice(sorted(TOOL_PARSERS)),
               help="Read tool calls from the output in this format: hermes (Hermes, Qwen2.5/3, the bundled SmolLM2 "
                    "tools template), llama3_json (Llama 3.x). (openai)")
@@ -126,7 +129,7 @@ def _serve_openai(engine: Path, host: str, port: int, threads: int | None, optio
                           prefix_cache=options["prefix_cache"], max_queue=options["max_queue"])
     limits = ServerLimits(max_body_bytes=int(options["max_body_mb"] * MIB), max_prompt_chars=options["max_prompt_chars"],
                           max_stops=options["max_stops"], max_stop_chars=options["max_stop_chars"],
-                          shutdown_timeout=options["shutdown_timeout"])
+                          shutdown_timeout=options["shutdown_timeout"], api_key=options["api_key"])
     tools = ToolSettings(options["tool_call_parser"], options["enable_auto_tool_choice"],
                          options["chat_template"].read_text() if options["chat_template"] else None)
     frontend = OpenAIFrontend(loaded, scheduler, name, options["default_temperature"], limits, tools)

@@ -12,7 +12,7 @@ Each limit has a flag of `dlite-trt serve` and a default that protects one machi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MIB = 1 << 20
@@ -26,6 +26,7 @@ class ServerLimits:
     max_stops: int = 16
     max_stop_chars: int = 1024
     shutdown_timeout: float = 5.0  # seconds requests in flight get to finish after Ctrl-C (new ones: 503)
+    api_key: str | None = field(default=None, repr=False)  # /v1 routes want "Authorization: Bearer <it>" where set
 
 
 def longest_token_chars(tokenizer: Any) -> int:

@@ -11,10 +11,13 @@ the server (``openai_server.ToolUse``) renders and parses them.
 
 Departures from OpenAI's defaults, on purpose: ``temperature`` defaults to the server's
 --default-temperature (0, greedy: the target's own output, which is what this server is
-for); ``max_tokens`` defaults to what the engine's --max-seq-len leaves after the prompt.
-Extensions (vLLM's names): ``ignore_eos``, ``stop_token_ids`` (more end tokens), ``return_token_ids`` (the prompt's and the output's
-token ids in the response). Every response carries ``speculative``: mean acceptance length,
-draft tokens accepted and proposed, steps.
+for); a chat's ``max_tokens`` defaults to what the engine's --max-seq-len leaves after the prompt
+(as vLLM's), a completion's to 16 (OpenAI's and vLLM's). Extensions (vLLM's names): ``ignore_eos``,
+``stop_token_ids`` (more end tokens), ``return_token_ids`` (the prompt's and the output's token ids in
+the response), ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message``
+(passed to the chat template); vLLM's sampling extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``) at their no-op values. Every response carries
+``speculative``: mean acceptance length, draft tokens accepted and proposed, steps.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ def _unicode(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_unicode)]  # every field whose text is tokenized or matched
 NonNegative = Annotated[int, Field(ge=0)]
+Positive = Annotated[int, Field(ge=1)]  # a token budget: OpenAI and vLLM refuse 0
 STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk; taken when false
 
 
 class _Sampling(BaseModel):
@@ -54,8 +59,8 @@ class _Sampling(BaseModel):
     model_config = STRICT
 
     model: str
-    max_tokens: NonNegative | None = None
-    temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
+    max_tokens: Positive | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     stop: Text | list[Text] | None = Field(None, validate_default=True)  # -> list[str]
@@ -70,6 +75,14 @@ class _Sampling(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None  # this server reuses cached prefixes by itself
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's sampling extensions: taken at their no-op values, refused otherwise (``unsupported``)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: NonNegative | None = None
     ignore_eos: bool = False
     stop_token_ids: list[NonNegative] = []
     return_token_ids: bool = False
@@ -95,9 +108,29 @@ class _Sampling(BaseModel):
                 out.append((name, f"{name} is not supported; leave it out or set it to 0."))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported; leave it out."))
+        for name, no_op, fix in NO_OP_EXTENSIONS:
+            value = getattr(self, name)
+            if value is not None and value not in no_op:
+                out.append((name, f"{name} = {value} is not supported (the engine samples the full distribution, "
+                                  f"or emits the target's greedy tokens); {fix}"))
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream: true."))
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            out.append(("stream_options.continuous_usage_stats", "usage in every chunk is not supported; the last "
+                                                                 "chunk carries it (include_usage)."))
         return out
+
+
+# vLLM's sampling extensions: (field, its no-op values, what to send instead)
+NO_OP_EXTENSIONS = (
+    ("top_k", (-1, 0), "leave top_k out or set it to -1."),
+    ("min_p", (0.0,), "leave min_p out or set it to 0."),
+    ("repetition_penalty", (1.0,), "leave repetition_penalty out or set it to 1."),
+    ("min_tokens", (0,), "leave min_tokens out or set it to 0 (ignore_eos runs to max_tokens)."),
+)
+
+
+COMPLETION_TOKENS = 16  # a completion's max_tokens when it sends none: OpenAI's default, and vLLM's
 
 
 class CompletionRequest(_Sampling):
@@ -159,8 +192,16 @@ class NamedToolChoice(BaseModel):
 class CalledFunction(BaseModel):
     model_config = STRICT
     name: FunctionName
-    arguments: Text  # a JSON object, as text
+    arguments: Text  # a JSON object, as text ("" as "{}"; an object, as vLLM takes it, as its text)
     parsed_arguments: Any = None  # what the openai client adds to a call it parsed (its .parse helpers); ignored
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _as_text(cls, value: Any) -> Any:
+        """What streaming accumulators and some frameworks send for a call's arguments."""
+        if isinstance(value, dict):
+            return json.dumps(value, ensure_ascii=False)
+        return "{}" if value == "" else value
 
 
 class ToolCallItem(BaseModel):
@@ -193,8 +234,9 @@ class Message(BaseModel):
         return self.content or ""
 
     def for_template(self) -> dict[str, Any]:
-        """As chat templates take it (transformers' convention: a call's arguments as an object)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        """As chat templates take it (transformers' convention: a call's arguments as an object;
+        OpenAI's ``developer`` role is its ``system`` role, the only one open-weight templates know)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.tool_calls:
             out["content"] = self.text() or None
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -206,9 +248,14 @@ class Message(BaseModel):
         return out
 
 
+# what ``chat_template_kwargs`` may not set: the server sets these itself
+TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                      "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors")
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: NonNegative | None = None
+    max_completion_tokens: Positive | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
@@ -219,7 +266,14 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     reasoning_effort: str | None = None  # for reasoning models; ignored
+    verbosity: str | None = None  # for reasoning models; ignored
     prediction: dict[str, Any] | None = None  # a hint of the output; ignored (it never changes the output)
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    # vLLM's: passed to the chat template
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -234,7 +288,22 @@ class ChatCompletionRequest(_Sampling):
             out.append(("function_call", "function_call (deprecated by OpenAI) is not supported; use tool_choice."))
         if self.modalities not in (None, ["text"]):
             out.append(("modalities", "only text output is supported."))
+        if self.audio is not None:
+            out.append(("audio", "audio output is not supported; leave audio out."))
+        if self.web_search_options is not None:
+            out.append(("web_search_options", "web search is not supported; leave web_search_options out."))
+        reserved = sorted(set(self.chat_template_kwargs or ()) & set(TEMPLATE_ARGUMENTS))
+        if reserved:
+            out.append(("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}: send them as "
+                                                "the request's own fields (messages, tools, add_generation_prompt, "
+                                                "continue_final_message)."))
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            out.append(("continue_final_message", "continue_final_message continues the last message: it must be an "
+                                                  "assistant message, and add_generation_prompt false."))
         for i, m in enumerate(self.messages):
+            if m.role != "assistant" and m.content is None:
+                out.append((f"messages.{i}.content", f"a {m.role} message needs content (text, or a list of text "
+                                                     "parts)."))
             if m.function_call or m.audio:
                 out.append((f"messages.{i}", "messages with function calls (deprecated by OpenAI: use tool_calls) or "
                                              "audio are not supported; send their content as text."))
@@ -366,7 +435,10 @@ def _union_branch(part: Any) -> bool:
 
 def _message(field: str | None, err: dict[str, Any]) -> str:
     if err.get("type") == "extra_forbidden":
-        return f"{field}: unknown field (not an OpenAI API parameter this endpoint takes)"
+        return (f"{field}: unknown field (this server takes OpenAI's parameters for this endpoint and the vLLM "
+                "extensions docs/serving.md lists); leave it out")
+    if field is None and err.get("type") in ("missing", "model_attributes_type", "dict_type"):  # the body itself
+        return ("the body must be a JSON object (send it with the header Content-Type: application/json)")
     if err.get("type") == "missing":
         return f"{field}: required"
     msg = str(err.get("msg")).removeprefix("Value error, ")

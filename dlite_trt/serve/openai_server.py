@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,6 +42,7 @@ from dlite_trt.serve.limits import BodySizeLimit, ServerLimits, longest_token_ch
 from dlite_trt.serve.metrics import CONTENT_TYPE
 from dlite_trt.serve.openai_protocol import (
     ApiError,
+    COMPLETION_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
@@ -76,7 +78,12 @@ class ToolUse:
     single: bool  # parallel_tool_calls false: the first call only
 
     def message(self, text: str) -> Parsed:
+        """The output ``text`` as a message. A forced call (``opening``) is calls only, as OpenAI's:
+        what follows them is dropped; where none parses, the content is the output as the model
+        wrote it (the server's opening left out)."""
         parsed = self.parser.parse(self.opening + text)
+        if self.opening:
+            parsed = Parsed(None, parsed.calls) if parsed.calls else Parsed(text or None)
         return Parsed(parsed.content, parsed.calls[:1]) if self.single else parsed
 
 
@@ -195,11 +202,19 @@ class OpenAIFrontend:
                 raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions with the "
                                     "prompt formatted yourself, or start the server with --chat-template FILE.",
                                param="messages")
-            kwargs = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} if tools else {}
+            history = any(m.tool_calls or m.role == "tool" for m in body.messages)
+            if history and "tool_calls" not in template:
+                raise ApiError(400, "the history holds tool calls or tool results, and this engine's chat template "
+                                    "does not render them: start the server with --chat-template FILE (for SmolLM2: "
+                                    "the bundled dlite_trt/bundled/templates/smollm2_tools.jinja).", param="messages")
+            kwargs = dict(body.chat_template_kwargs or {})
+            if tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
             try:
                 text = self.tokenizer.apply_chat_template([m.for_template() for m in body.messages],
-                                                          add_generation_prompt=True, tokenize=False,
-                                                          chat_template=template, **kwargs)
+                                                          add_generation_prompt=body.add_generation_prompt,
+                                                          continue_final_message=body.continue_final_message,
+                                                          tokenize=False, chat_template=template, **kwargs)
             except Exception as exc:  # noqa: BLE001 - the template's own error (jinja raise_exception) is the reason
                 raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
             text += use.opening if use else ""
@@ -229,8 +244,9 @@ class OpenAIFrontend:
         return ids
 
     def params(self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int]) -> SamplingParams:
-        limit = body.token_limit if isinstance(body, ChatCompletionRequest) else body.max_tokens
-        if len(prompt) >= self.max_seq_len and limit != 0:  # no room for a single output token
+        chat = isinstance(body, ChatCompletionRequest)
+        limit = body.token_limit if chat else COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        if len(prompt) >= self.max_seq_len:  # no room for a single output token
             raise ApiError(400, f"the prompt is {len(prompt)} tokens, and the engine allows {self.max_seq_len} "
                                 "(--max-seq-len) with the output; shorten it.", param="messages"
                            if isinstance(body, ChatCompletionRequest) else "prompt")
@@ -289,6 +305,17 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
                                     kind="invalid_request_error" if status < 500 else "server_error"),
                          status_code=status, headers=headers)
 
+    @app.middleware("http")
+    async def _api_key(request: Request, call_next: Any) -> Response:
+        """With --api-key, the /v1 routes answer only requests that carry it (vLLM's rule): 401 else."""
+        key = frontend.limits.api_key
+        if key and request.url.path.startswith("/v1") and not secrets.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
+            return ErrorJSON(error_body("a missing or wrong API key: send the header Authorization: Bearer <the "
+                                        "server's --api-key> (the openai client's api_key).", code="invalid_api_key"),
+                             status_code=401)
+        return await call_next(request)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
@@ -333,10 +360,20 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
     async def metrics() -> Response:
         return PlainTextResponse(frontend.scheduler.metrics.text(), media_type=CONTENT_TYPE)
 
+    def model() -> dict[str, Any]:
+        return {"id": frontend.model_name, "object": "model", "created": frontend.created, "owned_by": "dlite-trt",
+                "max_model_len": frontend.max_seq_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": frontend.created,
-                                            "owned_by": "dlite-trt", "max_model_len": frontend.max_seq_len}]}
+        return {"object": "list", "data": [model()]}
+
+    @app.get("/v1/models/{name:path}", responses=errors)
+    async def one_model(name: str) -> dict[str, Any]:
+        if name != frontend.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {frontend.model_name!r}.",
+                           param="model", code="model_not_found")
+        return model()
 
     @app.post("/v1/completions", responses=generation)
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -405,7 +442,7 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             if parsed.calls:
                 message["tool_calls"] = [c.message() for c in parsed.calls]
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = "tool_calls"  # as vLLM's: whatever followed the calls
             choice = {"message": message}
         choice = {"index": 0, "finish_reason": finish, "logprobs": None, **choice}
         if run.token_ids:
@@ -497,7 +534,7 @@ async def _stream(run: _Run, include_usage: bool) -> AsyncIterator[str]:
             choice["token_ids"] = ids
         return {**run.head, "object": kind, "choices": [choice], **extra}
 
-    calls = None if run.tools is None else ToolCallStream(run.tools.parser)
+    calls = None if run.tools is None else ToolCallStream(run.tools.parser, run.tools.opening)
 
     def tool_chunks(events: list[tuple], ids: list[int]) -> list[str]:
         """A piece through the tool parser: its content and completed calls as deltas (the ids on the first)."""
@@ -524,7 +561,7 @@ async def _stream(run: _Run, include_usage: bool) -> AsyncIterator[str]:
                     if calls is None:
                         yield _sse(chunk(delta, ids, None))
                     else:
-                        for event in tool_chunks(calls.add(run.tools.opening + run.text.reply.text), ids):
+                        for event in tool_chunks(calls.add(run.text.reply.text), ids):
                             yield event
         except ApiError as exc:
             yield _sse(exc.body())
@@ -534,10 +571,10 @@ async def _stream(run: _Run, include_usage: bool) -> AsyncIterator[str]:
             return
         finish = FINISH_REASONS[reason]
         if calls is not None:
-            events, parsed = calls.finish(run.tools.opening + run.text.reply.text)
+            events, parsed = calls.finish(run.text.reply.text)
             for event in tool_chunks(events, []):
                 yield event
-            if parsed.calls and finish == "stop":
+            if parsed.calls:
                 finish = "tool_calls"
         final = chunk(None if run.chat else "", [], finish)
         final["speculative"] = _speculative(run.text.reply)

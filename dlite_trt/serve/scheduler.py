@@ -191,8 +191,10 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise QueueFull("the server is shutting down; retry on another server.")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"the server has {len(self._waiting)} requests waiting (--max-queue "
+            # the queue: requests waiting beyond the batch rows free now (they join at the next step)
+            queued = len(self._waiting) - max(0, self.limits.max_batch - len(self._rows))
+            if queued >= self.max_queue:
+                raise QueueFull(f"the server has {queued} requests waiting for a batch row (--max-queue "
                                 f"{self.max_queue}); retry later or add servers.")
             self._waiting.append(_Row(prompt, params, deliver, handle))
             self.metrics.queue_depth.set(len(self._waiting))

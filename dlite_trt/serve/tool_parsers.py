@@ -176,15 +176,20 @@ class ToolCallStream:
     """A streamed output through a parser. ``add(text so far)`` returns the events it allows:
     ``("content", text)`` as soon as text cannot be part of a call (whitespace waits: the message's
     content may be None), ``("call", index, ToolCall)`` once a call is complete and well formed.
-    ``finish(final text)`` returns the rest and the message (``Parsed``), which the events add up to."""
+    ``finish(final text)`` returns the rest and the message (``Parsed``), which the events add up to.
+    ``opening``: a forced call's opening (``ToolParser.opening``), which the output continues: then
+    the message is calls only (what follows them dropped), or where none parses the output as the
+    model wrote it, as ``openai_server.ToolUse.message``."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, opening: str = "") -> None:
         self.parser = parser
+        self.opening = opening
         self.sent = ""  # content sent
         self.calls: list[ToolCall] = []
         self.start: int | None = None  # where the calls begin
 
     def add(self, text: str) -> list[tuple]:
+        text = self.opening + text
         if self.start is None:
             self.start = self.parser.calls_start(text)
         if self.start is None:
@@ -193,13 +198,16 @@ class ToolCallStream:
         return self._content(text[: self.start]) + self._calls(calls)
 
     def finish(self, text: str) -> tuple[list[tuple], Parsed]:
+        output, text = text, self.opening + text
         parsed = self.parser.parse(text)
         if not parsed.calls and not self.calls:
+            if self.opening:  # nothing was sent: the call's opening held it all back
+                return self._content(output, final=True), Parsed(output or None)
             return self._content(text, final=True), parsed
         # calls already sent stay sent: the message is what the stream said (a later malformed or cut
-        # call is content, as in ``parse``)
+        # call is content, as in ``parse``; none after a forced call)
         calls, rest = self.parser.split(text[self.start:])
-        content = content_around(text, self.start, rest)
+        content = None if self.opening else content_around(text, self.start, rest)
         events = self._calls(calls) + self._content(content or "", final=True)
         return events, Parsed(content, tuple(self.calls))
 
