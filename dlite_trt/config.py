@@ -42,6 +42,9 @@ def select_target_layer_ids(num_target_layers: int, chs_num_layers: int) -> tupl
     return tuple(sorted(ids))
 
 
+MAX_BLOCK_SIZE = 64  # tokens a block; a larger one is a typo whose graphs take forever to export
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """A RoPE type other than the default, with its parameters (transformers' rope_parameters).
@@ -304,8 +307,9 @@ class DraftConfig:
         _positive(self, "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "intermediate_size", "num_target_layers",
                   "anchor_group_size", "sequential_rank")
-        if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ConfigError(f"block_size must be an int >= 2 (1 anchor + K >= 1 proposals), got {self.block_size!r}.")
+        if not isinstance(self.block_size, int) or not 2 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ConfigError(f"block_size must be an int in 2..{MAX_BLOCK_SIZE} (1 anchor + K >= 1 proposals; "
+                              f"DLite's are 8 or 16), got {self.block_size!r}.")
         _check_attention_shape(self, "draft")
         if not isinstance(self.mask_token_id, int) or isinstance(self.mask_token_id, bool) or self.mask_token_id < 0:
             raise ConfigError(f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}.")

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from dlite_trt.errors import CheckpointError, ConfigError, TargetNotFoundError
-from dlite_trt.gguf_header import GGUF_ARCHITECTURES, TARGET_HINT, checked_header, gguf_version, type_name
+from dlite_trt.gguf_header import (
+    GGUF_ARCHITECTURES,
+    TARGET_HINT,
+    checked_header,
+    gguf_version,
+    type_name,
+)
+from dlite_trt.paths import writable_dir
 
 DTYPES = ("fp32", "fp16")
 IMPORT_RECORD = "dlite_trt_import.json"  # written last: a directory holding it is a complete conversion
@@ -132,7 +139,13 @@ def _hash(path: Path, size: int, progress: bool) -> str:
                 digest.update(chunk)
             return digest.hexdigest()
         from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TransferSpeedColumn,
+        )
 
         with Progress(TextColumn("sha256 {task.description}"), BarColumn(), DownloadColumn(),
                       TransferSpeedColumn(), console=Console(stderr=True), transient=True) as bar:
@@ -293,6 +306,7 @@ def _fresh_dir(out: Path, what: str = "tmp") -> Path:
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"--out {out} is a file; pass a directory to write the model into.")
+    writable_dir(out.parent, f"--out {out}")  # the conversion is built beside it
     if out.is_dir() and any(out.iterdir()) and read_import_record(out) is None:
         raise CheckpointError(f"--out {out} is a non-empty directory that is not a previous GGUF conversion "
                               f"(no {IMPORT_RECORD}); pass a new or empty directory, or delete it first.")
@@ -340,6 +354,8 @@ def gguf_target_dir(path: str | Path, *, dtype: str = "fp32", progress: bool = T
     _torch_dtype(dtype)
     info = check_gguf(path, progress=progress)
     final = cache_root() / "gguf" / f"{info.sha256}-{dtype}"
+    if not _is_conversion_of(final, info.sha256, dtype):  # to be converted there
+        writable_dir(final.parent, "the cache (DLITE_TRT_CACHE, else ~/.cache/dlite-trt)")
     if _is_conversion_of(final, info.sha256, dtype):
         _remember_path(final, info.path)
         return final

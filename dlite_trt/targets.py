@@ -119,6 +119,24 @@ def random_hf_model(spec: TargetSpec, dtype: torch.dtype, seed: int, **config: A
     return model_class._from_config(config_class(**spec.to_hf_config(), **config), dtype=dtype).eval()
 
 
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")  # what torch.save writes: pickles
+
+
+def check_safetensors(path: Path) -> None:
+    """A target directory must hold its weights as safetensors: dlite-trt never unpickles weights
+    from a user's path (a pickle runs code when loaded)."""
+    if any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for pattern in PICKLE_WEIGHTS for p in path.glob(pattern))
+    if pickles:
+        raise CheckpointError(f"{path} holds its weights only as {', '.join(pickles[:3])} (PyTorch pickles), which "
+                              "dlite-trt never loads: a pickle can run code. Convert them to safetensors where you "
+                              "trust the file (transformers: from_pretrained, then save_pretrained(safe_serialization="
+                              "True)), or use the model's .safetensors or .gguf release.")
+    raise CheckpointError(f"{path} holds no *.safetensors weights; pass a Hugging Face model directory with "
+                          "model.safetensors (or its shards), a .gguf file or a preset name.")
+
+
 def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = RANDOM_WEIGHTS_SEED) -> torch.nn.Module:
     """The transformers model (``spec.arch.hf_class``) for a source, with checked weights (or
     seeded random ones)."""
@@ -127,10 +145,12 @@ def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = RANDOM_
     model_class, _ = hf_classes(source.spec)
     from safetensors import SafetensorError
 
+    check_safetensors(source.path)
     try:
-        # ignore_mismatched_sizes only moves shape mismatches into `info`, which is checked below.
+        # ignore_mismatched_sizes only moves shape mismatches into `info`, which is checked below;
+        # use_safetensors: never a pickle (pytorch_model.bin) from a user's directory
         model, info = model_class.from_pretrained(source.path, dtype=dtype, output_loading_info=True,
-                                                       ignore_mismatched_sizes=True)
+                                                       ignore_mismatched_sizes=True, use_safetensors=True)
     except (OSError, ValueError, TypeError, RuntimeError, SafetensorError) as exc:
         raise CheckpointError(
             f"cannot load the target weights from {source.path}: {exc}. The files are missing, truncated or corrupt."
@@ -143,11 +163,22 @@ def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = RANDOM_
 
 def load_tokenizer(source: TargetSource) -> Any | None:
     """The target's tokenizer, or None when its directory has none (ids-only use)."""
-    if source.path is None or not any((source.path / f).is_file() for f in TOKENIZER_FILES):
+    return None if source.path is None else tokenizer_in(source.path)
+
+
+def tokenizer_in(path: Path) -> Any | None:
+    """The tokenizer in a model (or engine target) directory, None where it holds none, or a clear
+    error where its files are corrupt."""
+    present = [f for f in TOKENIZER_FILES if (path / f).is_file()]
+    if not present:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # json's errors are ValueErrors
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {exc}. Its files ({', '.join(present)}) are "
+                              "truncated or corrupt; copy them again from the model's release.") from exc
 
 
 def stop_token_ids(source: TargetSource, tokenizer: Any | None) -> tuple[int, ...]:

@@ -217,6 +217,37 @@ def test_empty_prompt_is_a_clean_error(runner, tiny_pair):
     assert_clean_error(invoke(runner, *tiny_pair, "--prompt", ""), "empty")
 
 
+def test_a_prompt_that_is_not_utf8_is_a_clean_error(runner, tiny_pair):
+    """argv's invalid bytes reach Python as surrogate escapes ("abc\\xff" -> "abc\\udcff")."""
+    assert_clean_error(invoke(runner, *tiny_pair, "--prompt", "abc\udcff"), "not valid UTF-8", "byte 0xff",
+                       exit_code=2)
+
+
+def test_a_thread_count_past_any_machine_is_a_usage_error(runner, tiny_pair):
+    assert_clean_error(invoke(runner, *tiny_pair, "--input-ids", "1,2", "--threads", "100000"), "--threads",
+                       "1<=x<=1024", exit_code=2)
+
+
+def test_a_target_whose_weights_are_pickles_is_refused_unread(runner, tiny_pair, tmp_path):
+    """pytorch_model.bin is a pickle: refused by name, never opened (this one is not even a pickle,
+    so a load attempt would fail with another message)."""
+    target_dir = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target_dir)
+    for weights in target_dir.glob("*.safetensors"):
+        weights.unlink()
+    (target_dir / "pytorch_model.bin").write_bytes(b"not opened")
+    assert_clean_error(invoke(runner, target_dir, tiny_pair[1], "--input-ids", "1,2"), "pytorch_model.bin",
+                       "never loads", "safetensors", exit_code=1)
+
+
+def test_a_corrupt_tokenizer_is_a_clean_error(runner, tiny_pair, tmp_path):
+    target_dir = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target_dir)
+    (target_dir / "tokenizer.json").write_text('{"version": ')
+    assert_clean_error(invoke(runner, target_dir, tiny_pair[1], "--prompt", "hi"), "cannot load the tokenizer",
+                       "tokenizer.json", "corrupt", exit_code=1)
+
+
 # --------------------------------------------------------------------------- a target without a tokenizer
 
 

@@ -235,7 +235,8 @@ def _edit(raw: dict, path: tuple[str, ...], value) -> dict:
     (("dlite_config", "chs_num_layers"), 4, ["chs_num_layers=4", "must agree"]),
     (("rope_scaling",), {"rope_type": "yarn", "factor": 4.0}, ["rope_type 'yarn' is not supported"]),
     (("rope_scaling",), {"type": "linear", "factor": 2.0}, ["rope_type 'linear' is not supported"]),
-    (("block_size",), 1, ["block_size must be an int >= 2"]),
+    (("block_size",), 1, ["block_size must be an int in 2..64"]),
+    (("block_size",), 10000, ["block_size must be an int in 2..64", "got 10000"]),
     (("num_key_value_heads",), 5, ["not a multiple of num_key_value_heads=5"]),
     (("dlite_config", "mask_token_id"), -1, ["mask_token_id must be a non-negative int"]),
 ])

@@ -368,18 +368,51 @@ def test_build_refuses_to_overwrite_a_non_engine_directory(runner, tiny_pair, tm
 
 
 def test_rebuild_replaces_an_engine_directory(runner, tiny_pair, engine, engine_copy):
-    (engine_copy / "stray.txt").write_text("from the previous engine\n")
+    """A rebuild replaces the whole engine directory: where it also holds files that are not the
+    engine's (notes, bench results), it refuses before any work and loses nothing; else it replaces it."""
+    (engine_copy / "NOTES.md").write_text("the user's\n")
+    (engine_copy / "bench-results").mkdir()
+    before = tree(engine_copy)
     new = EngineLimits(max_batch=LIMITS.max_batch, max_seq_len=LIMITS.max_seq_len // 2, max_chunk=LIMITS.max_chunk // 2)
-    result = runner.invoke(main, build_args(tiny_pair, engine_copy, "--max-batch", str(new.max_batch),
-                                            "--max-seq-len", str(new.max_seq_len), "--max-chunk", str(new.max_chunk)))
+    args = build_args(tiny_pair, engine_copy, "--max-batch", str(new.max_batch), "--max-seq-len", str(new.max_seq_len),
+                      "--max-chunk", str(new.max_chunk))
+    assert_clean_error(runner.invoke(main, args), f"--out {engine_copy}", "NOTES.md, bench-results",
+                       "a rebuild would delete", "move them", exit_code=1)
+    assert tree(engine_copy) == before and (engine_copy / "bench-results").is_dir()
+    (engine_copy / "NOTES.md").unlink()
+    (engine_copy / "bench-results").rmdir()
+    result = runner.invoke(main, args)
     assert result.exit_code == 0, (result.output, result.exception)
-    assert not (engine_copy / "stray.txt").exists()  # replaced, not merged
     assert sorted(p.name for p in engine_copy.parent.iterdir()) == ["engine"]  # no backup or partial left
     assert load_manifest(engine_copy, verify=True).limits == new
     rebuilt = load_engine(engine_copy)
     params = SamplingParams(max_new_tokens=8)
     assert (rebuilt.generator.session([PROMPT]).generate(params).output_ids
             == engine.generator.session([PROMPT]).generate(params).output_ids)
+
+
+def test_build_where_it_cannot_write_is_refused_before_any_work(runner, tiny_pair, tmp_path):
+    (tmp_path / "file").write_text("x\n")
+    assert_clean_error(runner.invoke(main, build_args(tiny_pair, tmp_path / "file" / "engine")),
+                       f"--out {tmp_path / 'file' / 'engine'}", "is a file, not a directory", exit_code=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_build_stopped_by_sigterm_leaves_nothing(tiny_pair, tmp_path):
+    """SIGTERM (timeout, docker stop) once the partial engine exists: the build exits 143 (as a
+    process killed by it), and neither it nor the engine is left."""
+    import signal
+    import time
+
+    build = subprocess.Popen([sys.executable, "-m", "dlite_trt.cli", *build_args(tiny_pair, tmp_path / "engine"),
+                              "--no-calibrate"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".engine.partial-*")):
+        assert build.poll() is None and time.monotonic() < deadline, "the build ended before its partial engine"
+        time.sleep(0.05)
+    build.send_signal(signal.SIGTERM)
+    assert build.wait(timeout=120) == 128 + signal.SIGTERM, build.stdout.read()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_build_with_smallest_limits(tiny_pair, engine, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dlite_trt.errors import CheckpointError, TargetNotFoundError
+from dlite_trt.errors import CheckpointError, DLiteError, TargetNotFoundError
 from dlite_trt.presets import PRESETS
 from dlite_trt.gguf_import import (
     GGUF_ARCHITECTURES,
@@ -306,6 +306,17 @@ def test_cli_refuses_a_foreign_directory(smollm2, tmp_path):
     assert "is a non-empty directory that is not a previous GGUF conversion" in result.output
     assert time.perf_counter() - started < 5  # refused before converting
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_cache_or_out_it_cannot_write_in_is_a_clear_error_before_converting(smollm2, tmp_path, monkeypatch):
+    from dlite_trt.gguf_import import gguf_target_dir
+
+    (tmp_path / "file").write_text("x")
+    result = _run_cli([str(smollm2), "--out", str(tmp_path / "file" / "out"), "--quiet"])
+    assert result.exit_code == 1 and "is a file, not a directory" in result.output, result.output
+    monkeypatch.setenv("DLITE_TRT_CACHE", str(tmp_path / "file"))
+    with pytest.raises(DLiteError, match=r"the cache \(DLITE_TRT_CACHE.*is a file, not a directory"):
+        gguf_target_dir(smollm2, progress=False)
 
 
 def test_cli_not_a_gguf(tmp_path):

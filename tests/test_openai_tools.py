@@ -209,6 +209,23 @@ def test_malformed_tools_requests_are_openai_400s(server, body, param, fragment)
     assert reply["error"]["param"] == param and fragment in reply["error"]["message"], reply
 
 
+def test_a_server_refuses_a_broken_chat_template_or_host_at_startup(scripted, tmp_path):
+    """The operator's errors, before the engine loads: not a 400 blamed on every client later."""
+    from click.testing import CliRunner
+
+    from dlite_trt.cli import main
+
+    broken, binary = tmp_path / "broken.jinja", tmp_path / "binary.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content ")
+    binary.write_bytes(b"\xff\xfe{{ x }}")
+    serve = ["serve", "--engine", str(scripted[0]), "--threads", "1"]
+    for template, fragment in [(broken, "not a valid Jinja template"), (binary, "not UTF-8 text")]:
+        result = CliRunner().invoke(main, [*serve, "--chat-template", str(template)])
+        assert result.exit_code == 2 and fragment in result.output and "Traceback" not in result.output, result.output
+    result = CliRunner().invoke(main, [*serve, "--host", "999.1.1.1"])
+    assert result.exit_code == 1 and "--host 999.1.1.1: cannot listen there" in result.output, result.output
+
+
 def test_a_server_without_a_parser_says_which_flags(scripted):
     with OpenAIServerProcess(scripted[0], model=MODEL, threads=1, start_timeout=120) as plain:
         status, reply = plain.post("/v1/chat/completions", {"model": MODEL, "messages": ASK, "tools": TOOLS})

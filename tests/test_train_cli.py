@@ -146,6 +146,18 @@ def test_two_stage_needs_a_teacher(trained):
     assert result.exit_code == 2 and "--teacher" in result.output
 
 
+def test_data_that_train_data_did_not_write_is_refused_before_the_target_loads(trained, tmp_path):
+    target, draft, root, _, common = trained
+    args = [str(a) for a in common]
+    args[args.index("--data") + 1] = str(tmp_path / "nope")
+    result = CliRunner().invoke(main, ["train", "teacher", *args, "--out", str(tmp_path / "t")])
+    assert result.exit_code == 1 and "is not what `dlite-trt train data` writes" in result.output, result.output
+    assert "Traceback" not in result.output
+    (tmp_path / "file").write_text("x\n")
+    result = CliRunner().invoke(main, ["train", "teacher", *map(str, common), "--out", str(tmp_path / "file" / "t")])
+    assert result.exit_code == 2 and "is a file, not a directory" in result.output, result.output
+
+
 def test_torchrun_two_processes(trained, tmp_path):
     """`torchrun --nproc-per-node 2 -m dlite_trt.cli train student ...` (gloo on CPU) runs and
     writes a checkpoint that loads; rank 0 alone writes."""

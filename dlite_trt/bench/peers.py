@@ -532,7 +532,8 @@ class _Backends:
 
         if self.source.threads:
             torch.set_num_threads(self.source.threads)
-        model = AutoModelForCausalLM.from_pretrained(self.source.hf_dir, dtype=TORCH[self.source.dtype]).eval()
+        model = AutoModelForCausalLM.from_pretrained(self.source.hf_dir, dtype=TORCH[self.source.dtype],
+                                                     use_safetensors=True).eval()
         model.generation_config.eos_token_id = None  # generate to the budget, as ours (EOS is emitted, not a stop)
         return model
 

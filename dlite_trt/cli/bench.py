@@ -15,7 +15,7 @@ from dlite_trt.bench.names import (
     WORKLOAD_NAMES,
     check_names,
 )
-from dlite_trt.cli.inputs import VERIFY_DRAFTS, check_engine_dir
+from dlite_trt.cli.inputs import THREADS, VERIFY_DRAFTS, check_engine_dir
 from dlite_trt.errors import DLiteError
 
 BUILD_MAX_SEQ_LEN = 16384 + 256  # what an engine built here for the bench holds: the longest workload
@@ -62,7 +62,7 @@ def _names(value: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]
               help="Context lengths for step cost vs context [--quick: 256,2048].")
 @click.option("--quick", is_flag=True, help="A run of about a minute: fewer, shorter tasks and samples.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the generated workloads.")
-@click.option("--threads", type=click.IntRange(min=1),
+@click.option("--threads", type=THREADS,
               help="Intra-op threads of every method and peer (ONNX Runtime, onnxruntime-genai, llama.cpp, torch) "
                    "[default: one per physical core this process may use, as ONNX Runtime's own default].")
 @click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1), help="Longest n-gram matched.")
@@ -85,13 +85,13 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
     )
     from transformers.utils import logging as hf_logging
 
+    from dlite_trt.bench.live import default_threads
     from dlite_trt.bench.report import (
         print_tables,
         write_json,
         write_plots,
         write_records,
     )
-    from dlite_trt.bench.live import default_threads
     from dlite_trt.bench.suite import BenchSettings, run_bench
     from dlite_trt.bench.workloads import write_jsonl
     from dlite_trt.bundled import check_pair_options, pair_or_default

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dlite_trt.cli.inputs import check_engine_dir
+from dlite_trt.cli.inputs import THREADS, check_engine_dir
 
 
 def _list(value: str, option: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
@@ -36,7 +36,7 @@ def _list(value: str, option: str, allowed: tuple[str, ...] | None = None) -> tu
 @click.option("--quick", is_flag=True, help="4 sessions of 3 turns at concurrency 1 and 4, dlite and none.")
 @click.option("--kv-cache-gb", default=4.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
               help="Each server's --kv-cache-gb.")
-@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime threads of the server (default: one per core).")
+@click.option("--threads", type=THREADS, help="ONNX Runtime threads of the server (default: one per core).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the generated sessions.")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("bench-serve"),
               show_default=True, help="report.json and ttft_by_turn.png go here.")
@@ -50,7 +50,12 @@ def command(engine: Path, dataset: Path | None, sessions: int | None, turns: int
     from rich.console import Console
 
     from dlite_trt.bench.serve_replay import print_table, run, write_plot
-    from dlite_trt.bench.workloads import agentic, read_jsonl, source_files, tool_agentic
+    from dlite_trt.bench.workloads import (
+        agentic,
+        read_jsonl,
+        source_files,
+        tool_agentic,
+    )
 
     if quick:
         concurrency, methods, reuse = "1,4", "dlite,none", "on,off"

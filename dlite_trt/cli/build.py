@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import click
@@ -105,6 +106,8 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
     from dlite_trt.export.contract import EngineLimits
 
     check_random_weights(random_weights, target)
+    # SIGTERM (timeout, docker stop, a batch scheduler) unwinds as Ctrl-C does: the partial engine is removed
+    signal.signal(signal.SIGTERM, _terminated)
     for option, value in (("--int4-accuracy-level", int4_accuracy_level), ("--int4-blocks", int4_blocks),
                           ("--head-weights", head_weights), ("--prefill-weights", prefill_weights)):
         if value is not None and dtype != "int4":
@@ -142,3 +145,7 @@ def command(target: str | None, draft: Path | None, out: Path, backend: str, dty
                    "keeps the GGUF's blocks exactly.")
     for text in calibrated:
         click.echo(text)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dlite_trt.cli.inputs import check_engine_dir
+from dlite_trt.cli.inputs import THREADS, check_engine_dir
 
 
 @click.command("calibrate")
@@ -15,7 +15,7 @@ from dlite_trt.cli.inputs import check_engine_dir
 @click.option("--prompts", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE.jsonl",
               help="Your traffic: a bench dataset (JSONL; prompts as text, or input_ids; each task's first turn is "
                    "a prompt) [default: code and coding requests from the held-out standard-library sources].")
-@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads (default: one per core).")
+@click.option("--threads", type=THREADS, help="ONNX Runtime intra-op threads (default: one per core).")
 def command(engine: Path, prompts: Path | None, threads: int | None) -> None:
     """Measure the draft's acceptance curve and the step's cost at every width; write the engine's verify width.
 
@@ -23,6 +23,9 @@ def command(engine: Path, prompts: Path | None, threads: int | None) -> None:
     second on this machine (verify_width.json in the engine directory; `--verify-drafts N` overrides it)."""
     check_engine_dir(engine)
     from dlite_trt.bench.calibrate import calibrate_engine
+    from dlite_trt.paths import writable_dir
+
+    writable_dir(engine, f"--engine {engine}")  # before measuring: verify_width.json goes there
 
     ids = None
     if prompts is not None:

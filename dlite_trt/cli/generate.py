@@ -11,6 +11,7 @@ import click
 from dlite_trt.cli.inputs import (
     SEED,
     TEMPERATURE,
+    THREADS,
     VERIFY_DRAFTS,
     check_engine_dir,
     check_random_weights,
@@ -35,6 +36,14 @@ def _check_options(engine: Path | None, target: str | None, prompt: str | None, 
     """Usage errors (exit 2) found from the options alone, before anything loads."""
     if prompt == "" and not chat:
         raise click.BadParameter("the prompt is empty; give some text (or --input-ids 1,2,3)", param_hint="'--prompt'")
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # argv's invalid bytes arrive as surrogate escapes
+            bad = ord(prompt[exc.start])
+            shown = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"\\u{bad:04x}"
+            raise click.BadParameter(f"the prompt is not valid UTF-8 text ({shown} at character {exc.start}); pass "
+                                     "UTF-8 text, or --input-ids 1,2,3", param_hint="'--prompt'") from None
     if chat and prompt is None:
         raise click.UsageError("--chat needs --prompt (a text to wrap in the chat template)")
     if threads is not None and engine is None:
@@ -64,7 +73,7 @@ def _check_options(engine: Path | None, target: str | None, prompt: str | None, 
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]),
               help="Reference precision [default: fp32]; an engine runs in the dtype it was built with.")
 @click.option("--random-weights", is_flag=True, help="With a preset --target: random weights of that shape.")
-@click.option("--threads", type=click.IntRange(min=1),
+@click.option("--threads", type=THREADS,
               help="With --engine: ONNX Runtime intra-op threads (default: one per physical core).")
 @VERIFY_DRAFTS
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

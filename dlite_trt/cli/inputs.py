@@ -30,6 +30,9 @@ class _SamplingValue(click.ParamType):
         return parsed
 
 
+MAX_THREADS = 1024  # ONNX Runtime threads: more is a typo (a pool of 100,000 threads takes minutes to start)
+THREADS = click.IntRange(1, MAX_THREADS)
+
 SEED = _SamplingValue("integer", "seed", click.INT)
 TEMPERATURE = _SamplingValue("float", "temperature", click.FLOAT)
 
@@ -55,6 +58,19 @@ VERIFY_DRAFTS = click.option(
     "--verify-drafts", "verify_drafts", type=_VerifyDrafts(), default="auto", show_default=True,
     help="Drafts a greedy DLite step verifies (of the draft's K): auto = the engine's calibrated choice "
          "(verify_width.json, from `dlite-trt build` / `dlite-trt calibrate`), else a number 1..K.")
+
+
+def writable_out(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """An --out directory a job writes into, checked when the command line is read (before minutes
+    of loading or training): one it cannot write in is a usage error naming it."""
+    if value is not None:
+        from dlite_trt.paths import writable_dir
+
+        try:
+            writable_dir(value, str(value))
+        except DLiteError as exc:
+            raise click.BadParameter(str(exc), ctx, param) from exc
+    return value
 
 
 def check_engine_dir(engine: Path, hint: str = "") -> None:

@@ -94,6 +94,7 @@ def command(ctx: click.Context, engine: Path, frontend: str, host: str, port: in
     if options["enable_auto_tool_choice"] and not options["tool_call_parser"]:
         raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser NAME")
     check_engine_dir(engine)
+    options["chat_template_text"] = _chat_template(options["chat_template"]) if options["chat_template"] else None
     from dlite_trt.serve.server import port_free
 
     if not port_free(host, port):
@@ -113,12 +114,36 @@ def _stop_on_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
+def _chat_template(path: Path) -> str:
+    """--chat-template's text, compiled once here: a broken template is the operator's error at
+    startup, not a 400 blamed on every client's request."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        ImmutableSandboxedEnvironment().from_string(text)  # what transformers renders it with
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save the "
+                                 "template as UTF-8.", param_hint="--chat-template") from exc
+    except TemplateSyntaxError as exc:
+        raise click.BadParameter(f"{path} is not a valid Jinja template: {exc.message} (line {exc.lineno}); "
+                                 "fix it, or leave --chat-template out to use the tokenizer's.",
+                                 param_hint="--chat-template") from exc
+    return text
+
+
 def _serve_openai(engine: Path, host: str, port: int, threads: int | None, options: dict) -> None:
     import uvicorn
 
     from dlite_trt.engine.load import load_engine
     from dlite_trt.serve.limits import MIB, ServerLimits
-    from dlite_trt.serve.openai_server import DrainingServer, OpenAIFrontend, ToolSettings, create_app
+    from dlite_trt.serve.openai_server import (
+        DrainingServer,
+        OpenAIFrontend,
+        ToolSettings,
+        create_app,
+    )
     from dlite_trt.serve.scheduler import Scheduler
 
     loaded = load_engine(engine, threads=threads, preload=("prefill", "step", "decode"),
@@ -131,7 +156,7 @@ def _serve_openai(engine: Path, host: str, port: int, threads: int | None, optio
                           max_stops=options["max_stops"], max_stop_chars=options["max_stop_chars"],
                           shutdown_timeout=options["shutdown_timeout"], api_key=options["api_key"])
     tools = ToolSettings(options["tool_call_parser"], options["enable_auto_tool_choice"],
-                         options["chat_template"].read_text() if options["chat_template"] else None)
+                         options["chat_template_text"])
     frontend = OpenAIFrontend(loaded, scheduler, name, options["default_temperature"], limits, tools)
     # after the drain (DrainingServer), what is still running gets a second to end
     server = DrainingServer(uvicorn.Config(create_app(frontend), host=host, port=port, log_level="warning",

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import click
 
-from dlite_trt.cli.inputs import SEED, TEMPERATURE
+from dlite_trt.cli.inputs import SEED, TEMPERATURE, writable_out
+from dlite_trt.config import MAX_BLOCK_SIZE
 
 SEQUENCES = "sequences.jsonl"
 CORPUS_WINDOW = 256  # tokens of each corpus window `train inform` reads the target's states over
@@ -59,7 +60,7 @@ def _common(f):
                           "corpus: one, or several in subdirectories mixed by mix.json)."),
         click.option("--init", "init", required=True, type=click.Path(path_type=Path, file_okay=False),
                      help="dlite_v1 checkpoint to start from (its config defines the draft)."),
-        click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+        click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False), callback=writable_out,
                      help="Checkpoint directory to write (a run with the same --out resumes)."),
         click.option("--seq-len", default=128, show_default=True, type=click.IntRange(min=4),
                      help="Tokens per training window cut from a sequence."),
@@ -96,12 +97,19 @@ def _load(target: str, random_weights: bool, data: Path, init: Path, bf16: bool 
     data --states-for` wrote one there (no target forward while training), else the sequences.
     ``bf16``: the target's weights in bf16 (its states and logits come back fp32)."""
     from dlite_trt.checkpoint import load_draft
+    from dlite_trt.errors import ConfigError
     from dlite_trt.model.target import TargetAdapter
+    from dlite_trt.training.corpus import META as CORPUS
+    from dlite_trt.training.corpus import read_corpus_mix
     from dlite_trt.training.data import read_sequences
     from dlite_trt.training.state_cache import META, StateCache
 
-    from dlite_trt.training.corpus import read_corpus_mix
-
+    written = [data / META, data / SEQUENCES, data / CORPUS, *(p / CORPUS for p in data.iterdir())] \
+        if data.is_dir() else []
+    if not any(path.is_file() for path in written):  # before the target loads
+        raise ConfigError(f"--data {data} is not what `dlite-trt train data` writes (no {SEQUENCES}, state cache or "
+                          f"corpus there); run `dlite-trt train data --target T --prompts FILE --out {data}` (or "
+                          "--corpus) first.")
     source, hf, _ = _target(target, random_weights, bf16)
     draft = load_draft(init, target=source.spec)
     adapter = TargetAdapter(hf, source.spec, draft.cfg.target_layer_ids).eval().requires_grad_(False)
@@ -120,12 +128,12 @@ def command() -> None:
 
 @command.command("init")
 @click.option("--target", required=True, help="Model directory, .gguf file or preset name.")
-@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False), callback=writable_out,
               help="Directory to write the draft checkpoint into (new or empty).")
 @click.option("--layers", default=5, show_default=True, type=click.IntRange(min=1), help="Draft decoder layers.")
 @click.option("--chs-layers", default=5, show_default=True, type=click.IntRange(min=2),
               help="Target layers the draft reads (S, at most the target's layers).")
-@click.option("--block-size", default=8, show_default=True, type=click.IntRange(min=2),
+@click.option("--block-size", default=8, show_default=True, type=click.IntRange(2, MAX_BLOCK_SIZE),
               help="Tokens per speculative block: the anchor and K = block size - 1 proposals.")
 @click.option("--anchor-group-size", default=1, show_default=True, type=click.IntRange(min=1),
               help="Tokens ending with the anchor that the draft reads (G).")
@@ -182,7 +190,7 @@ def init(target: str, out: Path, layers: int, chs_layers: int, block_size: int, 
 @click.option("--chat-share", default=0.3, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="With --corpus: the share of training windows from the files' documented functions framed as "
                    "chat turns (request from the docstring, the code as the answer).")
-@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False), callback=writable_out,
               help="Directory to write sequences.jsonl into.")
 @click.option("--max-prompt-tokens", default=256, show_default=True, type=click.IntRange(min=1),
               help="Longest prompt, in tokens (longer ones keep their last tokens).")
@@ -309,7 +317,7 @@ def student(target, data, init, out, seq_len, batch_seqs, anchors, anchor_region
               help="A state cache (`dlite-trt train data --states-for INIT`) or a corpus (`--corpus`).")
 @click.option("--init", "init", required=True, type=click.Path(path_type=Path, file_okay=False),
               help="The dlite_v1 checkpoint from `dlite-trt train init`.")
-@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False), callback=writable_out,
               help="Where the informed dlite_v1 checkpoint goes (a new directory); train from it with --init.")
 @click.option("--sequences", default=200, show_default=True, type=click.IntRange(min=1),
               help="Cached sequences (or corpus windows) whose states the initialisation is computed from.")
@@ -320,12 +328,14 @@ def inform(target: str, data: Path, init: Path, out: Path, sequences: int, seed:
     context slots, the head's output side a whitened rank-r factorisation of the LM head, its
     token embedding from the LM head's principal directions, the target's final norm)."""
     from dlite_trt.checkpoint import save_draft
-    from dlite_trt.training.informed_init import informed_init, sample_states
+    from dlite_trt.training.corpus import CorpusMix
+    from dlite_trt.training.informed_init import (
+        informed_init,
+        sample_corpus_states,
+        sample_states,
+    )
     from dlite_trt.training.init_draft import require_new_dir
     from dlite_trt.training.state_cache import META
-
-    from dlite_trt.training.corpus import CorpusMix
-    from dlite_trt.training.informed_init import sample_corpus_states
 
     require_new_dir(out)
     adapter, cache, draft = _load(target, random_weights, data, init)

@@ -26,8 +26,8 @@ from pathlib import Path
 from dlite_trt.engine.manifest import (
     BACKEND_DTYPES,
     BACKEND_WEIGHTS,
-    GRAPH_DIR,
     GQA_BUILDS,
+    GRAPH_DIR,
     MANIFEST,
     QUANTIZED_DRAFT_BUILDS,
     Manifest,
@@ -39,9 +39,26 @@ from dlite_trt.engine.manifest import (
 )
 from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
-from dlite_trt.export.cache_attention import GQA_HEAD_DIM_MULTIPLE, GQA_UNAVAILABLE, onnxruntime_takes_query_seqlens
-from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, SAMPLING_SUFFIX, EngineLimits, engine_contract
-from dlite_trt.export.int4 import ACCURACY_LEVELS, DRAFT_FORMATS, draft_only, plan_int4, quantize_graph, with_draft
+from dlite_trt.export.cache_attention import (
+    GQA_HEAD_DIM_MULTIPLE,
+    GQA_UNAVAILABLE,
+    onnxruntime_takes_query_seqlens,
+)
+from dlite_trt.export.contract import (
+    ATTENTIONS,
+    GRAPH_NAMES,
+    SAMPLING_SUFFIX,
+    EngineLimits,
+    engine_contract,
+)
+from dlite_trt.export.int4 import (
+    ACCURACY_LEVELS,
+    DRAFT_FORMATS,
+    draft_only,
+    plan_int4,
+    quantize_graph,
+    with_draft,
+)
 from dlite_trt.export.nbits_levels import (
     BLOCK_FORMS,
     DEFAULT_BLOCKS,
@@ -54,6 +71,8 @@ from dlite_trt.export.nbits_levels import (
     default_draft_format,
     default_prefill_weights,
 )
+from dlite_trt.paths import writable_dir
+from dlite_trt.runtime.verify_width import WIDTH_FILE
 
 BACKENDS = tuple(BACKEND_DTYPES)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
@@ -198,10 +217,21 @@ def _copy_configs(src: Path | None, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
+ENGINE_ENTRIES = (MANIFEST, GRAPH_DIR, "target", "draft", WIDTH_FILE)  # what a build writes in --out
+
+
 def _prepare_out(out: Path) -> None:
+    """Refuse an --out that a build would lose something in (a rebuild replaces the whole directory),
+    or cannot write in, before any work."""
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
         raise EngineError(f"--out {out} exists and is not an engine directory; refusing to overwrite it. "
                           "Pass a new or empty directory.")
+    others = sorted(p.name for p in out.iterdir() if p.name not in ENGINE_ENTRIES) if out.is_dir() else []
+    if others:
+        raise EngineError(f"--out {out} is an engine directory that also holds {', '.join(others[:5])}"
+                          f"{' ...' if len(others) > 5 else ''}, which a rebuild would delete; move them out of it "
+                          "or pass another --out.")
+    writable_dir(out.parent, f"--out {out}")
 
 
 def _install(tmp: Path, out: Path) -> None:
@@ -253,6 +283,9 @@ def build_engine(target: str | Path, draft: Path, out: Path, settings: BuildSett
         spec, cfg = pair.source.spec, pair.generator.draft.cfg
         if settings.fit_seq_len_to_target:
             limits = replace(limits, max_seq_len=min(limits.max_seq_len, spec.max_position_embeddings))
+        if cfg.block_size >= limits.max_seq_len:
+            raise ConfigError(f"the draft's blocks of {cfg.block_size} tokens do not fit --max-seq-len "
+                              f"{limits.max_seq_len}; raise --max-seq-len (a prompt and its answer share it).")
         if limits.max_seq_len > spec.max_position_embeddings:
             raise ConfigError(f"--max-seq-len {limits.max_seq_len} is past the target's max_position_embeddings="
                               f"{spec.max_position_embeddings}; lower it.")

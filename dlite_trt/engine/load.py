@@ -9,7 +9,7 @@ from typing import Any
 from dlite_trt.checkpoint import load_draft_config
 from dlite_trt.engine.manifest import check_sources, checkpoint_sha256, target_sha256
 from dlite_trt.runtime.engine import EngineGenerator, open_engine
-from dlite_trt.targets import TOKENIZER_FILES, resolve_target
+from dlite_trt.targets import resolve_target, tokenizer_in
 
 
 @dataclass
@@ -36,10 +36,5 @@ def load_engine(engine_dir: Path, *, target: str | Path | None = None, draft: Pa
         load_draft_config(Path(draft))  # a clear error for a missing or wrong draft directory
         draft_sha = checkpoint_sha256(Path(draft))
     check_sources(manifest, target_sha256=target_sha, draft_sha256=draft_sha, where=str(engine_dir))
-    tokenizer = None
-    tok_dir = engine_dir / "target"
-    if any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    tokenizer = tokenizer_in(engine_dir / "target")
     return LoadedEngine(generator, tokenizer, manifest.stop_token_ids, f"engine {engine_dir}")

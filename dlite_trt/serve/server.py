@@ -9,6 +9,7 @@ environment there) and its ``libpython`` directory on LD_LIBRARY_PATH.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -173,8 +174,11 @@ def port_free(host: str, port: int) -> bool:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise DLiteError(f"--host {host}: cannot listen there ({exc.strerror or exc}); pass an address of this "
+                             "machine (127.0.0.1, 0.0.0.0 for every interface).") from exc
     return True
 
 

@@ -18,7 +18,14 @@ from pathlib import Path
 
 from dlite_trt.engine.manifest import Manifest, load_manifest
 from dlite_trt.errors import DLiteError
-from dlite_trt.serve.protocol import INPUTS, INPUTS_BY_NAME, OUTPUTS, TRITON_TYPES, ServeTensor
+from dlite_trt.paths import writable_dir
+from dlite_trt.serve.protocol import (
+    INPUTS,
+    INPUTS_BY_NAME,
+    OUTPUTS,
+    TRITON_TYPES,
+    ServeTensor,
+)
 
 INSTANCE_KINDS = {"onnxruntime": "KIND_CPU", "tensorrt": "KIND_GPU"}  # where an engine's instances run
 MODEL_NAME = "dlite"
@@ -79,6 +86,8 @@ def write_repository(engine_dir: Path, out: Path, *, instances: int = 1, max_bat
     if out.exists():
         if not (out / MODEL_NAME / "config.pbtxt").is_file():
             raise DLiteError(f"{out} exists and is not a dlite-trt model repository; choose another --out.")
+    writable_dir(out.parent, f"--out {out}")
+    if out.exists():
         shutil.rmtree(out)
     names = [MODEL_NAME] + ([STREAM_MODEL_NAME] if streaming else [])
     for name in names:

@@ -3,8 +3,9 @@
 The loop is deterministic given (seed, step): each step's batch comes from ``batch_fn(step,
 rank, world)``, so a run resumed from a checkpoint reaches exactly the weights of an
 uninterrupted run. Checkpoints hold the trainable module's weights (safetensors) and the
-optimizer state and step (``torch.save``, read back with ``weights_only=True``; never a
-pickle). With torch.distributed initialised (torchrun, any backend), the module is wrapped in
+optimizer state and step (``torch.save``, a pickle, read back with ``weights_only=True``: PyTorch's
+restricted unpickler, which builds tensors and plain containers only, never arbitrary objects).
+With torch.distributed initialised (torchrun, any backend), the module is wrapped in
 DistributedDataParallel: each rank trains on its shard and gradients are averaged, so every
 replica holds the same weights after each step; only rank 0 writes checkpoints.
 """
