@@ -20,6 +20,7 @@ from dlite_trt.config import DRAFT_VOCAB_KEY, DraftConfig, TargetSpec
 from dlite_trt.errors import CheckpointError, ConfigError, IncompatibleDraftError
 from dlite_trt.model.draft import DLiteDraft
 from dlite_trt.model.sequential_head import draft_vocab_problem
+from dlite_trt.paths import pickles_in
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -45,6 +46,12 @@ def _shard_files(ckpt: Path) -> dict[Path, list[str]]:
     if single.is_file():
         return {single: []}
     if not index.is_file():
+        pickles = pickles_in(ckpt)
+        if pickles:
+            raise CheckpointError(f"{ckpt} holds its weights only as {', '.join(pickles[:3])} (PyTorch pickles), which "
+                                  "dlite-trt never loads: a pickle can run code. Save the draft's state dict with "
+                                  f"safetensors (safetensors.torch.save_file) as {WEIGHTS_NAME}, where you trust the "
+                                  "file.")
         raise CheckpointError(
             f"{ckpt} has no {WEIGHTS_NAME} and no {INDEX_NAME}: no weights to load. "
             "Pass the directory that holds the draft's safetensors files."
@@ -155,7 +162,8 @@ def load_draft_config(ckpt: Path) -> DraftConfig:
     if not ckpt.exists():
         raise CheckpointError(f"draft checkpoint {ckpt} does not exist; pass the directory of a dlite_v1 draft.")
     if not ckpt.is_dir():
-        raise CheckpointError(f"draft checkpoint {ckpt} is a file; pass its directory (config.json + safetensors).")
+        raise CheckpointError(f"draft checkpoint {ckpt} is a file; pass a dlite_v1 draft's directory (config.json + "
+                              f"{WEIGHTS_NAME}).")
     cfg_path = ckpt / CONFIG_NAME
     if not cfg_path.is_file():
         raise CheckpointError(f"{ckpt} has no {CONFIG_NAME}; a dlite_v1 draft directory holds config.json and weights.")

@@ -25,3 +25,12 @@ def writable_dir(path: Path, what: str) -> None:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         raise DLiteError(f"{what}: cannot write in {path} ({reason.lower()}); pass a directory you can write in."
                          ) from exc
+
+
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")  # what torch.save writes: pickles
+
+
+def pickles_in(directory: Path) -> list[str]:
+    """The names of the weight files in ``directory`` that are (by their name) PyTorch pickles,
+    which dlite-trt never loads: unpickling runs code."""
+    return sorted(p.name for pattern in PICKLE_WEIGHTS for p in Path(directory).glob(pattern))

@@ -18,6 +18,7 @@ import torch
 
 from dlite_trt.config import TargetSpec
 from dlite_trt.errors import CheckpointError, TargetNotFoundError
+from dlite_trt.paths import pickles_in
 from dlite_trt.presets import PRESETS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -119,15 +120,12 @@ def random_hf_model(spec: TargetSpec, dtype: torch.dtype, seed: int, **config: A
     return model_class._from_config(config_class(**spec.to_hf_config(), **config), dtype=dtype).eval()
 
 
-PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")  # what torch.save writes: pickles
-
-
 def check_safetensors(path: Path) -> None:
     """A target directory must hold its weights as safetensors: dlite-trt never unpickles weights
     from a user's path (a pickle runs code when loaded)."""
     if any(path.glob("*.safetensors")):
         return
-    pickles = sorted(p.name for pattern in PICKLE_WEIGHTS for p in path.glob(pattern))
+    pickles = pickles_in(path)
     if pickles:
         raise CheckpointError(f"{path} holds its weights only as {', '.join(pickles[:3])} (PyTorch pickles), which "
                               "dlite-trt never loads: a pickle can run code. Convert them to safetensors where you "

@@ -129,8 +129,15 @@ def test_path_does_not_exist(tmp_path):
 
 
 def test_path_is_a_file(ckpt):
-    with raises_with(CheckpointError, "is a file", "pass its directory"):
+    with raises_with(CheckpointError, "is a file", "draft's directory", WEIGHTS_NAME):
         load_draft(ckpt / WEIGHTS_NAME)
+
+
+def test_weights_only_as_a_pickle_are_named_and_never_opened(ckpt):
+    (ckpt / WEIGHTS_NAME).unlink()
+    (ckpt / "pytorch_model.bin").write_bytes(b"not opened")  # not even a pickle: opening it would fail otherwise
+    with raises_with(CheckpointError, "pytorch_model.bin", "never loads", "safetensors"):
+        load_draft(ckpt)
 
 
 def test_no_config_json(ckpt):

@@ -208,6 +208,13 @@ def test_train_init_writes_a_draft_that_fits_the_target(tiny_pair, tmp_path):
     bad = CliRunner().invoke(main, ["train", "init", "--target", str(target), "--out", str(tmp_path / "x"),
                                     "--mask-token-id", "999999"])
     assert bad.exit_code == 1 and "outside the target's vocabulary" in bad.output
+    # the default reads 5 target layers, or all of them where the target has fewer (the tiny one: 4)
+    default = CliRunner().invoke(main, ["train", "init", "--target", str(target), "--out", str(tmp_path / "d")])
+    assert default.exit_code == 0, default.output
+    assert load_draft(tmp_path / "d").cfg.chs_num_layers == 4
+    many = CliRunner().invoke(main, ["train", "init", "--target", str(target), "--out", str(tmp_path / "m"),
+                                     "--chs-layers", "9"])
+    assert many.exit_code == 2 and "--chs-layers" in many.output and "pass at most 4" in many.output, many.output
 
 
 def test_data_with_cached_states_trains_without_the_target_forward(trained, monkeypatch):

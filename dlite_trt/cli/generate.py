@@ -169,5 +169,6 @@ def command(engine: Path | None, verify: bool, target: str | None, draft: Path |
     if engine is not None:
         gen = pair.generator
         how = f" ({gen.manifest.weights.describe(gen.manifest.dtype)}; steps verify {gen.verify_drafts} drafts)"
-    click.echo(f"\n{len(out)} tokens, mean acceptance length {result.mean_acceptance_length(0):.2f}, "
-               f"{tps:.1f} tokens/s{how}", err=True)
+    accepted = f"mean acceptance length {result.mean_acceptance_length(0):.2f}" if result.steps else \
+        "no speculative step (the prefill's token only)"
+    click.echo(f"\n{len(out)} token{'' if len(out) == 1 else 's'}, {accepted}, {tps:.1f} tokens/s{how}", err=True)

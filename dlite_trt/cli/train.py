@@ -126,13 +126,17 @@ def command() -> None:
     """Train DLite drafts with the two-stage recipe (data, teacher, student)."""
 
 
+DEFAULT_CHS_LAYERS = 5  # DLite's S: the target layers the draft reads
+
+
 @command.command("init")
 @click.option("--target", required=True, help="Model directory, .gguf file or preset name.")
 @click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False), callback=writable_out,
               help="Directory to write the draft checkpoint into (new or empty).")
 @click.option("--layers", default=5, show_default=True, type=click.IntRange(min=1), help="Draft decoder layers.")
-@click.option("--chs-layers", default=5, show_default=True, type=click.IntRange(min=2),
-              help="Target layers the draft reads (S, at most the target's layers).")
+@click.option("--chs-layers", type=click.IntRange(min=2),
+              help="Target layers the draft reads (S, at most the target's layers) [default: 5, or the target's "
+                   "layers where it has fewer].")
 @click.option("--block-size", default=8, show_default=True, type=click.IntRange(2, MAX_BLOCK_SIZE),
               help="Tokens per speculative block: the anchor and K = block size - 1 proposals.")
 @click.option("--anchor-group-size", default=1, show_default=True, type=click.IntRange(min=1),
@@ -159,6 +163,11 @@ def init(target: str, out: Path, layers: int, chs_layers: int, block_size: int, 
     if (draft_vocab_size is None) != (vocab_from is None):
         raise click.UsageError("--draft-vocab-size and --vocab-from go together")
     source = resolve_target(target, random_weights=random_weights)
+    most = source.spec.num_hidden_layers
+    if chs_layers is not None and chs_layers > most:
+        raise click.BadParameter(f"{chs_layers} target layers to read, and the target has {most}; pass at most {most}.",
+                                 param_hint="--chs-layers")
+    chs_layers = min(DEFAULT_CHS_LAYERS, most) if chs_layers is None else chs_layers
     tokenizer = load_tokenizer(source)
     mask = pick_mask_token(tokenizer, source.spec, stop_token_ids(source, tokenizer), mask_token_id)
     draft_vocab = None
