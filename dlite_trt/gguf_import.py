@@ -26,13 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dlite_trt.errors import CheckpointError, ConfigError, TargetNotFoundError
-from dlite_trt.gguf_header import (
-    GGUF_ARCHITECTURES,
-    TARGET_HINT,
-    checked_header,
-    gguf_version,
-    type_name,
-)
+from dlite_trt.gguf_header import GGUF_ARCHITECTURES, TARGET_HINT, checked_header, gguf_version, type_name
 from dlite_trt.paths import writable_dir
 
 DTYPES = ("fp32", "fp16")

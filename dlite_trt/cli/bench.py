@@ -85,13 +85,13 @@ def command(engine: Path | None, target: str | None, draft: Path | None, out: Pa
     )
     from transformers.utils import logging as hf_logging
 
-    from dlite_trt.bench.live import default_threads
     from dlite_trt.bench.report import (
         print_tables,
         write_json,
         write_plots,
         write_records,
     )
+    from dlite_trt.bench.live import default_threads
     from dlite_trt.bench.suite import BenchSettings, run_bench
     from dlite_trt.bench.workloads import write_jsonl
     from dlite_trt.bundled import check_pair_options, pair_or_default

@@ -50,12 +50,7 @@ def command(engine: Path, dataset: Path | None, sessions: int | None, turns: int
     from rich.console import Console
 
     from dlite_trt.bench.serve_replay import print_table, run, write_plot
-    from dlite_trt.bench.workloads import (
-        agentic,
-        read_jsonl,
-        source_files,
-        tool_agentic,
-    )
+    from dlite_trt.bench.workloads import agentic, read_jsonl, source_files, tool_agentic
 
     if quick:
         concurrency, methods, reuse = "1,4", "dlite,none", "on,off"

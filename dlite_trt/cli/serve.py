@@ -138,12 +138,7 @@ def _serve_openai(engine: Path, host: str, port: int, threads: int | None, optio
 
     from dlite_trt.engine.load import load_engine
     from dlite_trt.serve.limits import MIB, ServerLimits
-    from dlite_trt.serve.openai_server import (
-        DrainingServer,
-        OpenAIFrontend,
-        ToolSettings,
-        create_app,
-    )
+    from dlite_trt.serve.openai_server import DrainingServer, OpenAIFrontend, ToolSettings, create_app
     from dlite_trt.serve.scheduler import Scheduler
 
     loaded = load_engine(engine, threads=threads, preload=("prefill", "step", "decode"),

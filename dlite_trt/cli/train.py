@@ -99,10 +99,11 @@ def _load(target: str, random_weights: bool, data: Path, init: Path, bf16: bool 
     from dlite_trt.checkpoint import load_draft
     from dlite_trt.errors import ConfigError
     from dlite_trt.model.target import TargetAdapter
-    from dlite_trt.training.corpus import META as CORPUS
-    from dlite_trt.training.corpus import read_corpus_mix
     from dlite_trt.training.data import read_sequences
     from dlite_trt.training.state_cache import META, StateCache
+
+    from dlite_trt.training.corpus import META as CORPUS
+    from dlite_trt.training.corpus import read_corpus_mix
 
     written = [data / META, data / SEQUENCES, data / CORPUS, *(p / CORPUS for p in data.iterdir())] \
         if data.is_dir() else []
@@ -337,14 +338,12 @@ def inform(target: str, data: Path, init: Path, out: Path, sequences: int, seed:
     context slots, the head's output side a whitened rank-r factorisation of the LM head, its
     token embedding from the LM head's principal directions, the target's final norm)."""
     from dlite_trt.checkpoint import save_draft
-    from dlite_trt.training.corpus import CorpusMix
-    from dlite_trt.training.informed_init import (
-        informed_init,
-        sample_corpus_states,
-        sample_states,
-    )
+    from dlite_trt.training.informed_init import informed_init, sample_states
     from dlite_trt.training.init_draft import require_new_dir
     from dlite_trt.training.state_cache import META
+
+    from dlite_trt.training.corpus import CorpusMix
+    from dlite_trt.training.informed_init import sample_corpus_states
 
     require_new_dir(out)
     adapter, cache, draft = _load(target, random_weights, data, init)

@@ -26,8 +26,8 @@ from pathlib import Path
 from dlite_trt.engine.manifest import (
     BACKEND_DTYPES,
     BACKEND_WEIGHTS,
-    GQA_BUILDS,
     GRAPH_DIR,
+    GQA_BUILDS,
     MANIFEST,
     QUANTIZED_DRAFT_BUILDS,
     Manifest,
@@ -39,26 +39,9 @@ from dlite_trt.engine.manifest import (
 )
 from dlite_trt.engine.weights import pack_weights
 from dlite_trt.errors import ConfigError, EngineError
-from dlite_trt.export.cache_attention import (
-    GQA_HEAD_DIM_MULTIPLE,
-    GQA_UNAVAILABLE,
-    onnxruntime_takes_query_seqlens,
-)
-from dlite_trt.export.contract import (
-    ATTENTIONS,
-    GRAPH_NAMES,
-    SAMPLING_SUFFIX,
-    EngineLimits,
-    engine_contract,
-)
-from dlite_trt.export.int4 import (
-    ACCURACY_LEVELS,
-    DRAFT_FORMATS,
-    draft_only,
-    plan_int4,
-    quantize_graph,
-    with_draft,
-)
+from dlite_trt.export.cache_attention import GQA_HEAD_DIM_MULTIPLE, GQA_UNAVAILABLE, onnxruntime_takes_query_seqlens
+from dlite_trt.export.contract import ATTENTIONS, GRAPH_NAMES, SAMPLING_SUFFIX, EngineLimits, engine_contract
+from dlite_trt.export.int4 import ACCURACY_LEVELS, DRAFT_FORMATS, draft_only, plan_int4, quantize_graph, with_draft
 from dlite_trt.export.nbits_levels import (
     BLOCK_FORMS,
     DEFAULT_BLOCKS,

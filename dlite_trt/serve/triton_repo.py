@@ -19,13 +19,7 @@ from pathlib import Path
 from dlite_trt.engine.manifest import Manifest, load_manifest
 from dlite_trt.errors import DLiteError
 from dlite_trt.paths import writable_dir
-from dlite_trt.serve.protocol import (
-    INPUTS,
-    INPUTS_BY_NAME,
-    OUTPUTS,
-    TRITON_TYPES,
-    ServeTensor,
-)
+from dlite_trt.serve.protocol import INPUTS, INPUTS_BY_NAME, OUTPUTS, TRITON_TYPES, ServeTensor
 
 INSTANCE_KINDS = {"onnxruntime": "KIND_CPU", "tensorrt": "KIND_GPU"}  # where an engine's instances run
 MODEL_NAME = "dlite"
