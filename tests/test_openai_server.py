@@ -53,7 +53,7 @@ def engine(serve_engine):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    server = Server(engine, env={FAULT_PROMPT_ENV: ",".join(map(str, FAULT_PROMPT))})
+    server = Server(engine, "--speculative", "dlite", env={FAULT_PROMPT_ENV: ",".join(map(str, FAULT_PROMPT))})
     yield server
     server.stop()
 
@@ -636,6 +636,7 @@ def test_bench_serve_replays_agent_sessions(engine, code, tmp_path):
 def test_sigint_stops_the_server_and_leaves_nothing(engine, oracle):
     greedy, _ = oracle
     server = Server(engine)
+    assert any("(speculative: dlite-ngram)" in line for line in server.log), server.log  # the default
     assert _complete(server, [4, 5, 6], 5)[0] == greedy([4, 5, 6], 5)
     pid = server.proc.pid
     assert server.stop() == 0
