@@ -9,7 +9,7 @@ error that names the problem and the fix.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -157,6 +157,17 @@ def check_dtypes(state: Mapping[str, torch.Tensor], where: str, *, uniform: bool
         )
 
 
+def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """NaN or infinite weights (a corrupt file, a training run that diverged) are refused by name:
+    they would run, and decode garbage or nothing, without a word."""
+    bad = [n for n, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise CheckpointError(f"{where} has NaN or infinite values in {', '.join(bad[:5])}{more}; the file is "
+                              "corrupt or the run that wrote it diverged. Use another checkpoint (e.g. an earlier "
+                              "snapshot of that run).")
+
+
 def load_draft_config(ckpt: Path) -> DraftConfig:
     ckpt = Path(ckpt)
     if not ckpt.exists():
@@ -186,6 +197,7 @@ def load_draft(ckpt: Path, *, dtype: torch.dtype | None = torch.float32,
     check_draft_vocab(state, cfg, f"draft checkpoint {ckpt}")
     check_state_dict(state, model, f"draft checkpoint {ckpt}")
     check_dtypes(state, f"draft checkpoint {ckpt}", uniform=dtype is None)
+    check_finite(state.items(), f"draft checkpoint {ckpt}")
     model.load_state_dict(state, strict=True, assign=True)
     if dtype is not None:
         model = model.to(dtype)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dlite_trt.checkpoint import check_finite
 from dlite_trt.config import TargetSpec
 from dlite_trt.errors import CheckpointError, TargetNotFoundError
 from dlite_trt.paths import pickles_in
@@ -156,6 +157,7 @@ def build_hf_model(source: TargetSource, dtype: torch.dtype, seed: int = RANDOM_
     problems = {k: v for k, v in info.items() if k != "error_msgs" and v}
     if problems or info.get("error_msgs"):
         raise CheckpointError(f"target weights in {source.path} do not match its config.json: {problems or info}")
+    check_finite(model.named_parameters(), f"the target weights in {source.path}")
     return model.eval()
 
 

@@ -193,6 +193,17 @@ def test_integer_weight(ckpt):
         load_draft(ckpt)
 
 
+def test_nan_or_infinite_weights_are_refused_by_name(ckpt):
+    """A diverged run's checkpoint would build and run, proposing nothing useful, without a word."""
+    def poison(state):
+        state["norm.weight"][3] = float("nan")
+        state["sequential_head.output_proj.weight"][0, 0] = float("inf")
+    rewrite_weights(ckpt, poison)
+    with raises_with(CheckpointError, "NaN or infinite values in", "norm.weight", "sequential_head.output_proj.weight",
+                     "an earlier snapshot"):
+        load_draft(ckpt)
+
+
 def test_mixed_dtypes_need_a_cast(ckpt):
     rewrite_weights(ckpt, lambda s: s.update({"norm.weight": s["norm.weight"].to(torch.bfloat16)}))
     with raises_with(CheckpointError, "mixes weight dtypes", "torch.bfloat16", "torch.float32", "load it with a dtype"):

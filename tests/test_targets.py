@@ -270,6 +270,15 @@ def test_build_hf_model_wrong_shape(target_copy):
     assert "model.norm.weight" in str(ei.value)
 
 
+def test_build_hf_model_nan_weights(target_copy):
+    path = target_copy / "model.safetensors"
+    state = load_file(str(path))
+    state["model.norm.weight"][0] = float("nan")
+    save_file(state, str(path), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"NaN or infinite values in model\.norm\.weight; the file is corrupt"):
+        build_hf_model(resolve_target(target_copy), torch.float32)
+
+
 def test_build_hf_model_missing_weights_file(target_copy):
     (target_copy / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"holds no \*\.safetensors weights"):
