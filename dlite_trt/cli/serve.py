@@ -33,7 +33,8 @@ OPENAI_ONLY = ("served_model_name", "speculative", "verify_drafts", "kv_cache_gb
 @click.option("--port", "--http-port", "port", default=8000, show_default=True, type=click.IntRange(1, 65535),
               help="HTTP port (the OpenAI API, or Triton's KServe v2 and /generate).")
 @click.option("--served-model-name", help="The model's name in the API [default: the target's name]. (openai)")
-@click.option("--speculative", type=click.Choice(["dlite-ngram", "dlite", "ngram", "none"]), default="dlite-ngram", show_default=True,
+@click.option("--speculative", type=click.Choice(["dlite-ngram", "dlite", "ngram", "none"]), default="dlite-ngram",
+              show_default=True,
               help="How each step drafts: DLite with n-gram prompt lookup's proposals where it has one (greedy "
                    "batches; the fastest on agent traffic, docs/serving.md), DLite alone, n-gram lookup, or not "
                    "at all (the baselines). (openai)")
