@@ -1,14 +1,18 @@
 #!/usr/bin/env python
 """Train the bundled DLite draft for SmolLM2-135M-Instruct from scratch (seeded, resumable).
 
-Corpus mode (DESIGN 1.4): no generated answers. The target runs once over real code, and every
-position is an anchor whose labels are its exact greedy continuation up to the first place the
-text leaves it (training/corpus.py).
+Corpus mode (DESIGN 1.4): the target runs once over real code, and every position is an anchor
+whose labels are its exact greedy continuation up to the first place the text leaves it
+(training/corpus.py); half the windows come from the target's own greedy answers to prompts made
+from the same code (training/answers.py: the text it drafts on in use, exact to full depth).
 
 1. the corpus, an explicit allow-list (CORPUS_PACKAGES, pinned; downloaded as wheels by this
    script, only their .py files read; plus the standard library's training split), as raw files
    and as chat turns (a request built from each documented function's signature and docstring,
    the real code as the answer, through the chat template): four parts, sampled by MIX;
+1b. the answers part: ANSWERS' prompts (file cuts, docstrings, chat requests) from seeded files of
+   the allow-list, answered greedily by the bf16 target in batches (transformers' generate),
+   appended to WORK/answers.jsonl batch by batch (the longest stage on a CPU: resumable);
 2. a reduced draft vocabulary: the DRAFT_VOCAB most frequent ids of the corpus (the mask token
    among them); its coverage of the target's greedy tokens on the held-out sets is measured;
 3. an untrained draft (`dlite-trt train init`) with it, then the target-informed initialisation
@@ -29,9 +33,11 @@ runs).
 
     python build_scripts/train_smollm2_draft.py --work /work/runs/smollm2-corpus      # rewrites the bundled draft
     python build_scripts/train_smollm2_draft.py --budget smoke --work /tmp/w --out /tmp/draft
+    # the bundled draft: the GPU run's draft trained further here (--init-from: no informed init)
+    python build_scripts/train_smollm2_draft.py --work W --bf16 --init-from DRAFT --lr 2e-4 --steps 450
 
 On a GPU (``--budget gpu --device cuda``: 8 times the blocks a step, TF32; the bundled draft was
-trained so): the corpus is built here (``--until corpus``) and read there (``--corpus-from``,
+trained so): the corpus and the answers are made here (``--until answers``) and read there (``--corpus-from``,
 with the draft vocabulary and the held-out prompts made here), ``--until curve`` measures each
 snapshot teacher-forced there, and the draft is measured here. build_scripts/gpu_train_draft.sh
 and device_transfer.py carry it to a machine without network; docs/training.md has the commands.
@@ -54,19 +60,26 @@ from dlite_trt.training.losses import LossWeights
 
 # large packages only (each at least 5 MB of Python source), pinned; nothing else is trained on
 CORPUS_PACKAGES = {"torch": "2.13.0", "transformers": "5.24.0", "sympy": "1.14.0", "numpy": "1.26.4"}
-MIX = {"stdlib": 0.25, "chat-stdlib": 0.15, "packages": 0.4, "chat-packages": 0.2}  # windows drawn per part
+# windows drawn per part: the corpus at half, the target's own answers (ANSWERS_PART) at half
+MIX = {"stdlib": 0.125, "chat-stdlib": 0.075, "packages": 0.2, "chat-packages": 0.1, "answers": 0.5}
+ANSWERS_PART = "answers"
+# on-policy answers: prompts from files of the allow-list (seeded), answered greedily by the bf16 target
+ANSWERS = {"files": 3000, "counts": {"file": 2000, "docstring": 500, "chat": 1000}, "max_prompt_tokens": 256,
+           "new_tokens": 128, "batch": 64}
 BUDGETS = {
     "smoke": {"packages": ["sympy"], "max_files": 6, "seq_len": 96, "batch_seqs": 2, "anchors": 16,
               "min_context": 8, "steps": 6, "snapshots": 2, "draft_vocab": 4096, "init_windows": 2,
+              "answers": {"files": 6, "counts": {"file": 3, "docstring": 1, "chat": 2}, "max_prompt_tokens": 64,
+                          "new_tokens": 8, "batch": 2},
               "measure": {"files": 1, "chat": 1, "other": 1, "prompt_tokens": 64, "new_tokens": 16}},
     "full": {"packages": sorted(CORPUS_PACKAGES), "max_files": None, "seq_len": 512, "batch_seqs": 4,
              "anchors": 192, "min_context": 32, "steps": 1500, "snapshots": 6, "draft_vocab": 16384,
-             "init_windows": 24,
+             "init_windows": 24, "answers": ANSWERS,
              "measure": {"files": 24, "chat": 16, "other": 16, "prompt_tokens": 256, "new_tokens": 128}},
     # the same recipe at a GPU's scale (an H200: --device cuda, the corpus built here and carried there)
     "gpu": {"packages": sorted(CORPUS_PACKAGES), "max_files": None, "seq_len": 512, "batch_seqs": 32,
             "anchors": 192, "min_context": 32, "steps": 2000, "snapshots": 8, "draft_vocab": 16384,
-            "init_windows": 64,
+            "init_windows": 64, "answers": ANSWERS,
             "measure": {"files": 24, "chat": 16, "other": 16, "prompt_tokens": 256, "new_tokens": 128}},
 }
 DRAFT_SHAPE = {"num_hidden_layers": 2, "chs_num_layers": 5, "block_size": 8, "anchor_group_size": 2,
@@ -187,19 +200,25 @@ def package_sources(name: str, version: str, work: Path) -> Path:
     return root / name
 
 
-def build_corpus(tokenizer, vocab_size: int, parts_dir: Path, work: Path, budget: dict, seed: int) -> None:
-    """The four corpus parts (raw and chat, the standard library's training split and the
-    packages), each written once."""
+def allow_list(work: Path, budget: dict) -> tuple[list[Path], Path, list[tuple[Path, str, list[Path]]]]:
+    """The allow-list's files: the standard library's training split (and its root), and each
+    package's (root, name, files)."""
     from dlite_trt.tiny_models import stdlib_files
-    from dlite_trt.training.corpus import META, chat_documents, file_documents, write_corpus, write_mix
 
     def limited(files: list[Path]) -> list[Path]:
         return files[: budget["max_files"]] if budget["max_files"] else files
 
     stdlib = limited(stdlib_files("train"))
-    stdlib_root = stdlib[0].parent
     packages = [(package_sources(name, CORPUS_PACKAGES[name], work), name) for name in budget["packages"]]
-    package_files = [(root, name, limited(sorted(root.rglob("*.py")))) for root, name in packages]
+    return stdlib, stdlib[0].parent, [(root, name, limited(sorted(root.rglob("*.py")))) for root, name in packages]
+
+
+def build_corpus(tokenizer, vocab_size: int, parts_dir: Path, work: Path, budget: dict, seed: int) -> None:
+    """The four corpus parts of real text (raw and chat, the standard library's training split and
+    the packages), each written once."""
+    from dlite_trt.training.corpus import META, chat_documents, file_documents, write_corpus
+
+    stdlib, stdlib_root, package_files = allow_list(work, budget)
 
     def raw_packages():
         for root, name, files in package_files:
@@ -217,7 +236,49 @@ def build_corpus(tokenizer, vocab_size: int, parts_dir: Path, work: Path, budget
         if not (out / META).is_file():
             write_corpus(make(), out, eos_id=tokenizer.eos_token_id, tokenizer_name="smollm2-135m",
                          vocab_size=vocab_size)
-    write_mix(parts_dir, MIX)  # `dlite-trt train ... --data parts_dir` draws windows as this recipe does
+
+
+def build_answers(target: "Target", parts_dir: Path, work: Path, budget: dict, seed: int, say) -> None:
+    """The answers part: prompts from ``budget["answers"]["files"]`` seeded files of the allow-list
+    (file cuts, docstrings to implement, chat requests), answered greedily by the bf16 target in
+    batches (``work/answers.jsonl``, appended as each batch ends: resumable), written once."""
+    import random
+
+    from dlite_trt.training.answers import answer_documents, answer_to_file
+    from dlite_trt.training.corpus import META, write_corpus
+    from dlite_trt.training.prompts import coding_prompts
+
+    out = parts_dir / ANSWERS_PART
+    if (out / META).is_file():
+        return
+    a = budget["answers"]
+    stdlib, _, package_files = allow_list(work, budget)
+    files = sorted(chain(stdlib, *(files for _, _, files in package_files)))
+    random.Random(seed + 5).shuffle(files)
+    prompts = coding_prompts(files[: a["files"]], target.tokenizer, counts=a["counts"],
+                             max_prompt_tokens=a["max_prompt_tokens"], seed=seed + 5)
+    start = time.perf_counter()
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        say(f"answers: {done}/{total} prompts, {tokens} answer tokens ({time.perf_counter() - start:.0f} s)")
+
+    tok = target.tokenizer
+    records = answer_to_file(target.bf16_copy().eval(), prompts, work / "answers.jsonl",
+                             max_new_tokens=a["new_tokens"], stop_ids=target.stops,
+                             pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                             batch_size=a["batch"], progress=progress)
+    write_corpus(answer_documents(records.values(), label=ANSWERS_PART), out, eos_id=tok.eos_token_id,
+                 tokenizer_name="smollm2-135m", vocab_size=target.spec.vocab_size)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the platform's processor string."""
+    import platform
+
+    info = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (info.read_text().splitlines() if info.is_file() else [])
+             if line.startswith("model name")]
+    return names[0] if names else platform.processor()
 
 
 def greedy_coverage(vocab, outputs: list[list[int]]) -> float:
@@ -292,8 +353,10 @@ def label_precision(adapter, mix, windows: int, seq_len: int, seed: int) -> dict
 @click.option("--work", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="Resumable state, outside the repository: the corpus, the runs, the snapshots.")
 @click.option("--budget", type=click.Choice(sorted(BUDGETS)), default="full", show_default=True)
-@click.option("--until", type=click.Choice(["corpus", "train", "curve", "all"]), default="all", show_default=True,
-              help="Stop after this stage (rerun to go on). curve: after training, the teacher-forced "
+@click.option("--until", type=click.Choice(["corpus", "answers", "train", "curve", "all"]), default="all",
+              show_default=True,
+              help="Stop after this stage (rerun to go on). answers: the target's greedy answers (the longest stage "
+                   "on a CPU). curve: after training, the teacher-forced "
                    "acceptance length of each snapshot on the held-out sets (cheap on a GPU), then stop.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Training steps (default: the budget's).")
@@ -307,18 +370,24 @@ def label_precision(adapter, mix, windows: int, seq_len: int, seed: int) -> dict
 @click.option("--corpus-from", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
               help="A corpus this recipe built elsewhere (WORK/corpus of a run stopped with --until corpus, with "
                    f"its {VOCAB_FILE} and {PROMPTS_FILE}): read instead of built, e.g. on a machine with no network.")
+@click.option("--init-from", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              help="Start the student from this trained dlite_v1 draft (its shape and draft vocabulary) instead of "
+                   "an informed initialisation: e.g. the bundled draft, trained further on this machine.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=LR, show_default=True,
+              help="Peak learning rate (cosine to a tenth).")
 def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int | None, device: str, bf16: bool,
-         corpus_from: Path | None) -> None:
+         corpus_from: Path | None, init_from: Path | None, lr: float) -> None:
     import numpy as np
     import torch
     from safetensors.torch import load_file
 
-    from dlite_trt.checkpoint import load_draft, save_draft
+    from dlite_trt.checkpoint import DRAFT_VOCAB, load_draft, save_draft
+    from dlite_trt.gguf_import import file_sha256
     from dlite_trt.model.draft import DLiteDraft
     from dlite_trt.model.target import TargetAdapter
     from dlite_trt.runtime.reference import SpeculativeGenerator
     from dlite_trt.runtime.session import SamplingParams
-    from dlite_trt.training.corpus import frequent_vocabulary, read_corpus_mix
+    from dlite_trt.training.corpus import frequent_vocabulary, read_corpus_mix, write_mix
     from dlite_trt.training.informed_init import DEFAULT_PARTS, informed_init, sample_corpus_states
     from dlite_trt.training.init_draft import pick_mask_token, write_initial_draft
     from dlite_trt.training.pipeline import BatchSettings, StudentPlan, train_student
@@ -340,9 +409,11 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
 
     # what every stage's output depends on: a --work made with other settings is refused, not reused
     recipe = {"budget": budget, "settings": {k: v for k, v in b.items() if k != "measure"}, "draft_shape": DRAFT_SHAPE,
-              "corpus_packages": CORPUS_PACKAGES, "mix": MIX, "lr": LR, "top_k": TOP_K,
+              "corpus_packages": CORPUS_PACKAGES, "mix": MIX, "lr": lr, "top_k": TOP_K,
               "informed_init": list(DEFAULT_PARTS), "loss_weights": asdict(LOSS), "seed": seed,
-              **({"bf16": True} if bf16 else {})}  # recorded only when set: fp32 work directories stay resumable
+              **({"bf16": True} if bf16 else {}),  # recorded only when set: fp32 work directories stay resumable
+              **({"init_from": {"path": str(init_from), "sha256": file_sha256(init_from / "model.safetensors")}}
+                 if init_from else {})}
     recorded = work / "recipe.json"
     if recorded.is_file() and json.loads(recorded.read_text()) != json.loads(json.dumps(recipe)):
         raise click.ClickException(f"{work} holds a run with other settings ({recorded}); pass a new --work "
@@ -361,6 +432,13 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     if corpus_from is None:
         say("corpus: the allow-list's sources, tokenized")
         build_corpus(target.tokenizer, vocab_size, corpus_dir, work, b, seed)
+    say(f"corpus: {sorted(p.name for p in corpus_dir.iterdir() if p.is_dir())}")
+    lap("corpus")
+    if until == "corpus":
+        return
+    if corpus_from is None:
+        build_answers(target, corpus_dir, work, b, seed, say)
+        write_mix(corpus_dir, MIX)  # `dlite-trt train ... --data corpus_dir` draws windows as this recipe does
     mix = read_corpus_mix(corpus_dir, vocab_size)
     sizes = {part.directory.name: {"tokens": part.meta["tokens"], "documents": part.meta["documents"]}
              for part in mix.parts}
@@ -370,15 +448,17 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
         ids = frequent_vocabulary(counts, b["draft_vocab"], must_include=[mask])
         (corpus_dir / VOCAB_FILE).write_text(json.dumps([int(i) for i in ids]) + "\n")
     draft_vocab = np.array(json.loads((corpus_dir / VOCAB_FILE).read_text()), dtype=np.int64)
+    if init_from is not None:  # the trained draft keeps its own vocabulary
+        draft_vocab = load_draft(init_from, target=target.spec).state_dict()[DRAFT_VOCAB].numpy()
     if not (corpus_dir / PROMPTS_FILE).is_file():  # made where the held-out code is (this machine's)
         (corpus_dir / PROMPTS_FILE).write_text(json.dumps(held_out_prompts(target.tokenizer, m, seed)) + "\n")
     prompt_sets = json.loads((corpus_dir / PROMPTS_FILE).read_text())
-    say(f"corpus: {sizes}")
-    lap("corpus")
-    if until == "corpus":
+    say(f"corpus and answers: {sizes}")
+    lap("answers")
+    if until == "answers":
         return
 
-    init_dir = work / "init"
+    init_dir = work / "init" if init_from is None else init_from
     if not (init_dir / "config.json").is_file():
         write_initial_draft(work / "init.tmp", target.spec, mask, seed=seed, draft_vocab=draft_vocab.tolist(),
                             **DRAFT_SHAPE)
@@ -387,7 +467,7 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     adapter = TargetAdapter(target.hf, target.spec, cfg.target_layer_ids).eval()
     if device.startswith("cuda") and not (work / "label_precision.json").is_file():
         (work / "label_precision.json").write_text(json.dumps(label_precision(adapter, mix, 8, b["seq_len"], seed)))
-    informed_dir = work / "informed-init"
+    informed_dir = work / "informed-init" if init_from is None else init_from
     if not (informed_dir / "model.safetensors").is_file():  # written whole, then renamed: a kill leaves none
         draft = load_draft(init_dir, target=target.spec).float()
         states = sample_corpus_states(adapter, mix, b["init_windows"], b["seq_len"], seed=seed)
@@ -406,7 +486,7 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
             else adapter
         train_student(trainer_target, mix, load_draft(informed_dir, target=target.spec).float().to(device),
                       student_dir,
-                      StudentPlan(0, b["steps"], lr=LR, snapshot_every=max(1, b["steps"] // b["snapshots"]),
+                      StudentPlan(0, b["steps"], lr=lr, snapshot_every=max(1, b["steps"] // b["snapshots"]),
                                   checkpoint_every=max(1, min(50, b["steps"] // 4)), bf16=bf16),
                       batches, weights=LOSS, runs=work / "student-runs")
     lap("train")
@@ -475,7 +555,11 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     out.mkdir(parents=True, exist_ok=True)
     save_draft(load_draft(student_dir, target=target.spec).half(), out)
     report |= {**recipe, "measure": m, "corpus": sizes, "seconds": seconds,
-               "total_seconds": round(sum(seconds.values()), 1), "command": " ".join(["python", *sys.argv])}
+               "total_seconds": round(sum(seconds.values()), 1), "command": " ".join(["python", *sys.argv]),
+               "trained_on": {"device": device, "cpu": cpu_name(), "torch": torch.__version__,
+                              "threads": torch.get_num_threads()}}
+    if init_from is not None and (init_from / "acceptance.json").is_file():  # where the draft it started from came from
+        report["init_from"]["acceptance"] = json.loads((init_from / "acceptance.json").read_text())
     (out / "acceptance.json").write_text(json.dumps(report, indent=2) + "\n")
     click.echo(json.dumps(report))
 

