@@ -146,7 +146,8 @@ def test_the_draft_training_script_runs_end_to_end(tmp_path, gguf_path):
     """build_scripts/train_smollm2_draft.py at its smoke budget: the corpus (a pinned package's
     wheel downloaded, the standard library's training split, raw and as chat turns), the target's
     answers to prompts from it (resumable JSONL), the reduced draft vocabulary, the informed
-    initialisation, corpus-mode training with snapshots, the measurements and the fp16 draft; a rerun resumes, a --work of other settings is refused."""
+    initialisation, corpus-mode training with snapshots, the measurements and the fp16 draft; a
+    rerun resumes, a --work of other settings is refused."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "draft"
     command = [sys.executable, str(root / "build_scripts" / "train_smollm2_draft.py"), "--budget", "smoke",

