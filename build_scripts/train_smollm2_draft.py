@@ -271,16 +271,6 @@ def build_answers(target: "Target", parts_dir: Path, work: Path, budget: dict, s
                  tokenizer_name="smollm2-135m", vocab_size=target.spec.vocab_size)
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else the platform's processor string."""
-    import platform
-
-    info = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (info.read_text().splitlines() if info.is_file() else [])
-             if line.startswith("model name")]
-    return names[0] if names else platform.processor()
-
-
 def greedy_coverage(vocab, outputs: list[list[int]]) -> float:
     """Share of the target's greedy tokens that the draft vocabulary holds."""
     chosen = set(int(i) for i in vocab)
@@ -382,11 +372,12 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     from safetensors.torch import load_file
 
     from dlite_trt.checkpoint import DRAFT_VOCAB, load_draft, save_draft
-    from dlite_trt.gguf_import import file_sha256
+    from dlite_trt.engine.manifest import sha256_file
     from dlite_trt.model.draft import DLiteDraft
     from dlite_trt.model.target import TargetAdapter
     from dlite_trt.runtime.reference import SpeculativeGenerator
     from dlite_trt.runtime.session import SamplingParams
+    from dlite_trt.runtime.verify_width import this_machine
     from dlite_trt.training.corpus import frequent_vocabulary, read_corpus_mix, write_mix
     from dlite_trt.training.informed_init import DEFAULT_PARTS, informed_init, sample_corpus_states
     from dlite_trt.training.init_draft import pick_mask_token, write_initial_draft
@@ -412,7 +403,7 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
               "corpus_packages": CORPUS_PACKAGES, "mix": MIX, "lr": lr, "top_k": TOP_K,
               "informed_init": list(DEFAULT_PARTS), "loss_weights": asdict(LOSS), "seed": seed,
               **({"bf16": True} if bf16 else {}),  # recorded only when set: fp32 work directories stay resumable
-              **({"init_from": {"path": str(init_from), "sha256": file_sha256(init_from / "model.safetensors")}}
+              **({"init_from": {"path": str(init_from), "sha256": sha256_file(init_from / "model.safetensors")}}
                  if init_from else {})}
     recorded = work / "recipe.json"
     if recorded.is_file() and json.loads(recorded.read_text()) != json.loads(json.dumps(recipe)):
@@ -556,7 +547,7 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     save_draft(load_draft(student_dir, target=target.spec).half(), out)
     report |= {**recipe, "measure": m, "corpus": sizes, "seconds": seconds,
                "total_seconds": round(sum(seconds.values()), 1), "command": " ".join(["python", *sys.argv]),
-               "trained_on": {"device": device, "cpu": cpu_name(), "torch": torch.__version__,
+               "trained_on": {"device": device, "cpu": this_machine()["cpu"], "torch": torch.__version__,
                               "threads": torch.get_num_threads()}}
     if init_from is not None and (init_from / "acceptance.json").is_file():  # where the draft it started from came from
         report["init_from"]["acceptance"] = json.loads((init_from / "acceptance.json").read_text())

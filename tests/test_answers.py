@@ -9,7 +9,7 @@ import json
 import torch
 from helpers import hf_greedy, near_bigram_target
 
-from dlite_trt.training.answers import answer_documents, answer_to_file, answered, cut_at_stop, greedy_answers
+from dlite_trt.training.answers import answer_documents, answer_to_file, answered, cut_at_stop, greedy_batch
 from dlite_trt.training.corpus import exact_depth
 
 V = 64
@@ -26,8 +26,8 @@ def test_batched_answers_equal_each_prompt_alone_cut_at_the_first_stop():
     ps = prompts(7, seed=1)
     alone = [hf_greedy(hf, p, 12) for p in ps]
     stop = alone[0][4]  # a token the first answer emits: its answer must end there
-    batched = [a for batch in greedy_answers(hf, ps, max_new_tokens=12, stop_ids=[stop], pad_id=0, batch_size=3)
-               for a in batch]
+    batched = [a for start in range(0, len(ps), 3)
+               for a in greedy_batch(hf, ps[start: start + 3], max_new_tokens=12, stop_ids=[stop], pad_id=0)]
     assert batched == [cut_at_stop(a, [stop]) for a in alone]
     assert batched[0] == alone[0][: alone[0].index(stop) + 1] and batched[0][-1] == stop
 

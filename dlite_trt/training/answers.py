@@ -34,25 +34,24 @@ def cut_at_stop(ids: Sequence[int], stop_ids: Iterable[int]) -> list[int]:
 
 
 @torch.inference_mode()
-def greedy_answers(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
-                   pad_id: int, batch_size: int) -> Iterator[list[list[int]]]:
-    """The greedy answers of ``model`` (a transformers causal LM) to ``prompts``, one list per
-    batch of ``batch_size`` prompts, in order; each answer cut after its first stop token."""
+def greedy_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+                 pad_id: int) -> list[list[int]]:
+    """The greedy answers of ``model`` (a transformers causal LM) to ``prompts``, generated as one
+    left-padded batch, in order; each answer cut after its first stop token."""
+    batch = [list(p) for p in prompts]
+    if not all(batch):
+        raise ConfigError(f"an empty prompt among the {len(batch)} prompts of a batch")
+    width = max(map(len, batch))
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, p in enumerate(batch):  # left padding: every prompt ends where generation starts
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
     device = next(model.parameters()).device
-    for start in range(0, len(prompts), batch_size):
-        batch = [list(p) for p in prompts[start: start + batch_size]]
-        if not all(batch):
-            raise ConfigError(f"an empty prompt among prompts {start}..{start + len(batch) - 1}")
-        width = max(map(len, batch))
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, p in enumerate(batch):  # left padding: every prompt ends where generation starts
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids), pad_token_id=pad_id,
-                             temperature=None, top_p=None, top_k=None)
-        yield [cut_at_stop(row.tolist(), stop_ids) for row in out[:, width:].cpu()]
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids), pad_token_id=pad_id,
+                         temperature=None, top_p=None, top_k=None)
+    return [cut_at_stop(row.tolist(), stop_ids) for row in out[:, width:].cpu()]
 
 
 def answered(path: Path) -> dict[int, dict]:
@@ -76,8 +75,8 @@ def answer_to_file(model, prompts: Sequence[tuple[str, Sequence[int]]], path: Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     for start in range(0, len(todo), batch_size):
         chunk = todo[start: start + batch_size]
-        answers = next(greedy_answers(model, [prompts[i][1] for i in chunk], max_new_tokens=max_new_tokens,
-                                      stop_ids=stop_ids, pad_id=pad_id, batch_size=len(chunk)))
+        answers = greedy_batch(model, [prompts[i][1] for i in chunk], max_new_tokens=max_new_tokens,
+                               stop_ids=stop_ids, pad_id=pad_id)
         records = [{"index": i, "kind": prompts[i][0], "prompt_ids": list(prompts[i][1]), "answer_ids": a}
                    for i, a in zip(chunk, answers, strict=True)]
         with open(path, "a") as f:  # whole lines, one write per batch: a kill loses at most this batch
