@@ -13,6 +13,8 @@ from the same code (training/answers.py: the text it drafts on in use, exact to 
 1b. the answers part: ANSWERS' prompts (file cuts, docstrings, chat requests) from seeded files of
    the allow-list, answered greedily by the bf16 target in batches (transformers' generate),
    appended to WORK/answers.jsonl batch by batch (the longest stage on a CPU: resumable);
+   --answer-rounds N makes N such prompt sets from disjoint slices of the shuffled files (round 1's
+   prompts, and so the answers of a one-round JSONL, stay the same and are not answered again);
 2. a reduced draft vocabulary: the DRAFT_VOCAB most frequent ids of the corpus (the mask token
    among them); its coverage of the target's greedy tokens on the held-out sets is measured;
 3. an untrained draft (`dlite-trt train init`) with it, then the target-informed initialisation
@@ -63,6 +65,7 @@ CORPUS_PACKAGES = {"torch": "2.13.0", "transformers": "5.24.0", "sympy": "1.14.0
 # windows drawn per part: the corpus at half, the target's own answers (ANSWERS_PART) at half
 MIX = {"stdlib": 0.125, "chat-stdlib": 0.075, "packages": 0.2, "chat-packages": 0.1, "answers": 0.5}
 ANSWERS_PART = "answers"
+ANSWERS_FILE = "answers.jsonl"  # in --work: every answer so far, by prompt index (resumable)
 # on-policy answers: prompts from files of the allow-list (seeded), answered greedily by the bf16 target
 ANSWERS = {"files": 3000, "counts": {"file": 2000, "docstring": 500, "chat": 1000}, "max_prompt_tokens": 256,
            "new_tokens": 128, "batch": 64}
@@ -238,10 +241,12 @@ def build_corpus(tokenizer, vocab_size: int, parts_dir: Path, work: Path, budget
                          vocab_size=vocab_size)
 
 
-def build_answers(target: "Target", parts_dir: Path, work: Path, budget: dict, seed: int, say) -> None:
+def build_answers(target: "Target", parts_dir: Path, work: Path, budget: dict, seed: int, say,
+                  rounds: int = 1) -> None:
     """The answers part: prompts from ``budget["answers"]["files"]`` seeded files of the allow-list
-    (file cuts, docstrings to implement, chat requests), answered greedily by the bf16 target in
-    batches (``work/answers.jsonl``, appended as each batch ends: resumable), written once."""
+    (file cuts, docstrings to implement, chat requests) per round, each round's from the next slice of
+    the shuffled files, answered greedily by the bf16 target in batches (``work/answers.jsonl``,
+    appended as each batch ends: resumable), written once."""
     import random
 
     from dlite_trt.training.answers import answer_documents, answer_to_file
@@ -255,15 +260,19 @@ def build_answers(target: "Target", parts_dir: Path, work: Path, budget: dict, s
     stdlib, _, package_files = allow_list(work, budget)
     files = sorted(chain(stdlib, *(files for _, _, files in package_files)))
     random.Random(seed + 5).shuffle(files)
-    prompts = coding_prompts(files[: a["files"]], target.tokenizer, counts=a["counts"],
-                             max_prompt_tokens=a["max_prompt_tokens"], seed=seed + 5)
+    if (rounds - 1) * a["files"] >= len(files):  # the last round's slice may be short, not empty
+        raise click.ClickException(f"--answer-rounds {rounds}: the allow-list's {len(files)} files make at most "
+                                   f"{-(-len(files) // a['files'])} rounds of {a['files']}.")
+    prompts = [p for r in range(rounds)
+               for p in coding_prompts(files[r * a["files"]: (r + 1) * a["files"]], target.tokenizer,
+                                       counts=a["counts"], max_prompt_tokens=a["max_prompt_tokens"], seed=seed + 5 + r)]
     start = time.perf_counter()
 
     def progress(done: int, total: int, tokens: int) -> None:
         say(f"answers: {done}/{total} prompts, {tokens} answer tokens ({time.perf_counter() - start:.0f} s)")
 
     tok = target.tokenizer
-    records = answer_to_file(target.bf16_copy().eval(), prompts, work / "answers.jsonl",
+    records = answer_to_file(target.bf16_copy().eval(), prompts, work / ANSWERS_FILE,
                              max_new_tokens=a["new_tokens"], stop_ids=target.stops,
                              pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
                              batch_size=a["batch"], progress=progress)
@@ -365,8 +374,12 @@ def label_precision(adapter, mix, windows: int, seq_len: int, seed: int) -> dict
                    "an informed initialisation: e.g. the bundled draft, trained further on this machine.")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=LR, show_default=True,
               help="Peak learning rate (cosine to a tenth).")
+@click.option("--answer-rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Prompt sets of the budget's answers size to answer, each from its own slice of the allow-list's "
+                   "shuffled files; round 1 is the one-round set (a new --work may start with a one-round run's "
+                   f"{ANSWERS_FILE} in it: its answers are kept).")
 def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int | None, device: str, bf16: bool,
-         corpus_from: Path | None, init_from: Path | None, lr: float) -> None:
+         corpus_from: Path | None, init_from: Path | None, lr: float, answer_rounds: int) -> None:
     import numpy as np
     import torch
     from safetensors.torch import load_file
@@ -403,6 +416,7 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
               "corpus_packages": CORPUS_PACKAGES, "mix": MIX, "lr": lr, "top_k": TOP_K,
               "informed_init": list(DEFAULT_PARTS), "loss_weights": asdict(LOSS), "seed": seed,
               **({"bf16": True} if bf16 else {}),  # recorded only when set: fp32 work directories stay resumable
+              **({"answer_rounds": answer_rounds} if answer_rounds > 1 else {}),  # likewise
               **({"init_from": {"path": str(init_from), "sha256": sha256_file(init_from / "model.safetensors")}}
                  if init_from else {})}
     recorded = work / "recipe.json"
@@ -410,8 +424,9 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
         raise click.ClickException(f"{work} holds a run with other settings ({recorded}); pass a new --work "
                                    "(or delete it to start over).")
     if not recorded.is_file():
-        if work.exists() and any(work.iterdir()):
-            raise click.ClickException(f"{work} is not empty and holds no recipe.json; pass a new --work.")
+        if work.exists() and any(p.name != ANSWERS_FILE for p in work.iterdir()):  # answers carried in: checked
+            raise click.ClickException(f"{work} is not empty and holds no recipe.json; pass a new --work (it may "
+                                       f"hold only an {ANSWERS_FILE} of this recipe's, whose answers are kept).")
         work.mkdir(parents=True, exist_ok=True)
         recorded.write_text(json.dumps(recipe, indent=2) + "\n")
     if device.startswith("cuda"):
@@ -428,7 +443,7 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     if until == "corpus":
         return
     if corpus_from is None:
-        build_answers(target, corpus_dir, work, b, seed, say)
+        build_answers(target, corpus_dir, work, b, seed, say, answer_rounds)
         write_mix(corpus_dir, MIX)  # `dlite-trt train ... --data corpus_dir` draws windows as this recipe does
     mix = read_corpus_mix(corpus_dir, vocab_size)
     sizes = {part.directory.name: {"tokens": part.meta["tokens"], "documents": part.meta["documents"]}

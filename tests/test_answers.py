@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import hf_greedy, near_bigram_target
 
+from dlite_trt.errors import ConfigError
 from dlite_trt.training.answers import answer_documents, answer_to_file, answered, cut_at_stop, greedy_batch
 from dlite_trt.training.corpus import exact_depth
 
@@ -44,6 +46,25 @@ def test_a_killed_run_resumes_without_answering_twice(tmp_path):
     indices = [json.loads(line)["index"] for line in path.read_text().splitlines()]
     assert sorted(indices) == list(range(5))  # each prompt once: the half line dropped, nothing repeated
     assert answered(path) == full
+
+
+def test_answers_to_other_prompts_are_refused_and_kept(tmp_path):
+    """A JSONL made from other prompts (other settings or files) is named, not mixed in, and left as it was;
+    a longer prompt list that starts with the same prompts (another round) answers only the new ones."""
+    hf, _ = near_bigram_target(V, seed=3)
+    ps = [("chat", p) for p in prompts(4, seed=5)]
+    path = tmp_path / "answers.jsonl"
+    answer_to_file(hf, ps[:2], path, max_new_tokens=4, stop_ids=[], pad_id=0, batch_size=2)
+    before = path.read_text()
+    other = [ps[1], ps[0], *ps[2:]]
+    with pytest.raises(ConfigError, match="answers to other prompts \\(index 0, 2 in all\\)"):
+        answer_to_file(hf, other, path, max_new_tokens=4, stop_ids=[], pad_id=0, batch_size=2)
+    with pytest.raises(ConfigError, match="other prompts \\(index 1, 1 in all\\)"):
+        answer_to_file(hf, ps[:1], path, max_new_tokens=4, stop_ids=[], pad_id=0, batch_size=2)
+    assert path.read_text() == before
+    more = answer_to_file(hf, ps, path, max_new_tokens=4, stop_ids=[], pad_id=0, batch_size=2)
+    assert path.read_text().startswith(before) and sorted(more) == [0, 1, 2, 3]
+    assert [more[i]["answer_ids"] for i in (2, 3)] == [hf_greedy(hf, p, 4) for _, p in ps[2:]]
 
 
 def test_answer_text_carries_exact_labels_to_full_depth():

@@ -179,6 +179,18 @@ def test_the_draft_training_script_runs_end_to_end(tmp_path, gguf_path):
     other = subprocess.run([*command, "--out", str(tmp_path / "other"), "--until", "corpus", "--seed", "1"],
                            capture_output=True, text=True, timeout=300)
     assert other.returncode == 1 and "other settings" in other.stderr
+    # two rounds of answers in a new --work that starts with this one's answers: round 1's kept, round 2's made
+    rounds = tmp_path / "rounds"
+    rounds.mkdir()
+    first = (tmp_path / "work" / "answers.jsonl").read_text()
+    (rounds / "answers.jsonl").write_text(first)
+    proc = subprocess.run([*command[:-1], str(rounds), "--out", str(tmp_path / "r"), "--until", "answers",
+                           "--answer-rounds", "2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    both = (rounds / "answers.jsonl").read_text()
+    assert both.startswith(first) and len(both.splitlines()) > len(first.splitlines())
+    assert sorted(json.loads(line)["index"] for line in both.splitlines()) == list(range(len(both.splitlines())))
+    assert json.loads((rounds / "recipe.json").read_text())["answer_rounds"] == 2
     # the corpus read, not built (as on the GPU machine), trained in bf16 from the draft above (--init-from),
     # and the teacher-forced curve of the snapshots
     elsewhere = [sys.executable, str(root / "build_scripts" / "train_smollm2_draft.py"), "--budget", "smoke",

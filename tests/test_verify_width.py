@@ -67,7 +67,8 @@ def test_a_width_that_timed_cheaper_than_a_narrower_one_cannot_win():
     assert verify_width.nondecreasing({2: 1.2, 4: 1.3}) == {2: 1.2, 4: 1.3}
     curve = [0.5, 0.1, 0.05]
     lucky = {1: 1.0, 2: 1.5, 3: 1.0}  # raw: 1.65 tokens/ms at k = 3; fitted: 1.32, below k = 1's 1.5
-    choice = verify_width.choose(lucky, curve, decode_ms=1.0, batch_ms={1: (lucky, 1.0)}, context_ms={256: (lucky, 1.4)})
+    choice = verify_width.choose(lucky, curve, decode_ms=1.0, batch_ms={1: (lucky, 1.0)},
+                                 context_ms={256: (lucky, 1.4)})
     assert choice.drafts == 1 and choice.step_ms == {1: 1.0, 2: 1.25, 3: 1.25}
     assert choice.by_batch[1].drafts == 1 and choice.by_context[256].drafts == 1
     assert choice.by_context[256].step_ms == choice.step_ms
@@ -250,7 +251,8 @@ def test_every_width_is_lossless(bigram):
     want = [hf_greedy(hf, p, NEW) for p in prompts]
     k_max = engine.cfg.num_proposals
     for k in range(1, k_max + 1):
-        result = EngineGenerator(engine.runner, engine.manifest, k).generate(prompts, SamplingParams(max_new_tokens=NEW))
+        result = EngineGenerator(engine.runner, engine.manifest, k).generate(prompts,
+                                                                             SamplingParams(max_new_tokens=NEW))
         assert result.output_ids == want, k
         rows = [(s.draft_tokens[r], s.accepted[r]) for s in result.steps for r in range(2) if s.accepted[r] is not None]
         assert {len(d) for d, _ in rows} == {k}

@@ -71,6 +71,11 @@ def answer_to_file(model, prompts: Sequence[tuple[str, Sequence[int]]], path: Pa
     finishes; prompts go longest first in similar-length batches (little padding). Returns all
     answers by prompt index."""
     done = answered(path)
+    foreign = sorted(i for i, r in done.items()
+                     if i >= len(prompts) or (r["kind"], list(r["prompt_ids"])) != (prompts[i][0], list(prompts[i][1])))
+    if foreign:
+        raise ConfigError(f"{path} holds answers to other prompts (index {foreign[0]}, {len(foreign)} in all): it "
+                          "was made with other settings or files. Move it away to answer these prompts afresh.")
     todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: -len(prompts[i][1]))
     path.parent.mkdir(parents=True, exist_ok=True)
     for start in range(0, len(todo), batch_size):
