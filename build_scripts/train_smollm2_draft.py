@@ -396,6 +396,9 @@ def main(out: Path, work: Path, budget: str, until: str, seed: int, steps: int |
     from dlite_trt.training.init_draft import pick_mask_token, write_initial_draft
     from dlite_trt.training.pipeline import BatchSettings, StudentPlan, train_student
 
+    if corpus_from is not None and answer_rounds > 1:  # the answers are made where the corpus is built
+        raise click.ClickException("--answer-rounds makes answers where the corpus is built; with --corpus-from the "
+                                   "corpus's answers part is read as it is. Pass it to the run that builds the corpus.")
     b = dict(BUDGETS[budget], **({"steps": steps} if steps else {}))
     seconds: dict[str, float] = json.loads((work / "seconds.json").read_text()) if (work / "seconds.json").is_file() \
         else {}

@@ -196,6 +196,9 @@ def test_the_draft_training_script_runs_end_to_end(tmp_path, gguf_path):
     elsewhere = [sys.executable, str(root / "build_scripts" / "train_smollm2_draft.py"), "--budget", "smoke",
                  "--work", str(tmp_path / "elsewhere"), "--corpus-from", str(tmp_path / "work" / "corpus"),
                  "--steps", "4", "--until", "curve", "--bf16", "--init-from", str(out), "--lr", "2e-4"]
+    refused = subprocess.run([*elsewhere, "--answer-rounds", "2"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "with --corpus-from the corpus's answers part is read" in refused.stderr
+    assert not (tmp_path / "elsewhere").exists()  # refused before anything is written
     proc = subprocess.run(elsewhere, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "corpus: the allow-list" not in proc.stderr, proc.stderr[-3000:]
     recipe = json.loads((tmp_path / "elsewhere" / "recipe.json").read_text())
